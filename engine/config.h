@@ -1,0 +1,68 @@
+// Model configuration: the parsed and validated `config.json` of a model directory.
+// Every key is documented in docs/model-format.md.
+#pragma once
+
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/relpos.h"
+
+namespace relgen {
+
+enum class NormKind { kLayerNorm, kRmsNorm };
+enum class NormPlacement { kPre, kPost };
+enum class TokenizerKind { kByte, kSentencePiece };
+
+struct RelativeConfig {
+  relpos::Scheme scheme = relpos::Scheme::kNone;
+  int max_relative_position = 0;  // skew, skew_local: rows M of E (distances 0..M-1)
+  int block_length = 0;           // skew_local
+  int clip = 0;                   // shaw: k
+  bool relative_values = false;   // shaw
+  int num_buckets = 32;           // t5
+  int max_distance = 128;         // t5
+  bool bidirectional = false;     // t5
+  bool heads_share_table = false;
+  bool share_across_layers = false;
+  bool scale_with_qk = true;
+};
+
+struct ModelConfig {
+  std::string name;
+  int vocab_size = 0;
+  int d_model = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int head_dim = 0;
+  int ffn_dim = 0;
+  cpu::Activation ffn_activation = cpu::Activation::kGelu;
+  bool ffn_gated = false;
+  NormKind norm = NormKind::kLayerNorm;
+  NormPlacement norm_placement = NormPlacement::kPre;
+  float norm_eps = 1e-5f;
+  bool linear_bias = true;
+  bool tie_embeddings = false;
+  float embedding_scale = 1.0f;
+  float attention_scale = 0.0f;  // multiplies QK^T; 1/sqrt(head_dim) unless the config sets it
+  int max_seq_len = 0;
+  int bos_token_id = -1;  // -1: none
+  int eos_token_id = -1;
+  int pad_token_id = -1;
+  TokenizerKind tokenizer = TokenizerKind::kByte;
+  std::string tokenizer_file;  // relative to the model directory (sentencepiece)
+  RelativeConfig rel;
+
+  int qkv_width() const { return n_heads * head_dim; }
+  // Heads that own a relative table: 1 when they share it.
+  int rel_table_heads() const { return rel.heads_share_table ? 1 : n_heads; }
+};
+
+// Parses and validates config.json text. Errors name the key, what was found and what is allowed.
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text);
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
+
+absl::string_view SchemeName(relpos::Scheme scheme);
+
+}  // namespace relgen

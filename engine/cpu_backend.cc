@@ -1,0 +1,225 @@
+#include "engine/cpu_backend.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/ops.h"
+
+namespace relgen {
+namespace {
+
+// Contiguous cache: per layer [n_heads, capacity, head_dim], i.e. one block of `capacity` tokens.
+class CpuKvCache final : public KvCache {
+ public:
+  CpuKvCache(const ModelConfig& c, int capacity)
+      : capacity_(capacity),
+        n_heads_(c.n_heads),
+        head_dim_(c.head_dim),
+        per_layer_(static_cast<int64_t>(c.n_heads) * capacity * c.head_dim),
+        k_(per_layer_ * c.n_layers),
+        v_(per_layer_ * c.n_layers) {}
+
+  int capacity() const override { return capacity_; }
+
+  cpu::KvView View(int layer) {
+    cpu::KvView view;
+    view.k = k_.data() + layer * per_layer_;
+    view.v = v_.data() + layer * per_layer_;
+    view.block_table = &kBlockZero;
+    view.block_size = capacity_;
+    view.n_heads = n_heads_;
+    view.head_dim = head_dim_;
+    return view;
+  }
+
+ private:
+  static constexpr int32_t kBlockZero = 0;
+  int capacity_, n_heads_, head_dim_;
+  int64_t per_layer_;
+  std::vector<float> k_, v_;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(std::shared_ptr<const Model> model) : model_(std::move(model)) {
+    const ModelConfig& c = model_->config();
+    dims_.n_heads = c.n_heads;
+    dims_.head_dim = c.head_dim;
+    dims_.scale = c.attention_scale;
+    for (int l = 0; l < c.n_layers; ++l) {
+      const LayerWeights& lw = model_->layer(l);
+      cpu::RelativeParams r;
+      r.scheme = c.rel.scheme;
+      r.heads_share = c.rel.heads_share_table;
+      r.scale_with_qk = c.rel.scale_with_qk;
+      r.block_length = c.rel.block_length;
+      r.table_k = lw.rel_k;
+      r.table_v = lw.rel_v;
+      if (c.rel.scheme == relpos::Scheme::kShaw) {
+        r.clip_k = c.rel.clip;
+        r.rows = 2 * c.rel.clip + 1;
+      } else {
+        r.rows = c.rel.max_relative_position;
+      }
+      r.t5_bias = lw.rel_bias;
+      r.t5_num_buckets = c.rel.num_buckets;
+      r.t5_bucket_of_distance = model_->t5_bucket_table().data();
+      r.t5_table_len = static_cast<int>(model_->t5_bucket_table().size());
+      r.alibi_slopes = model_->alibi_slopes().data();
+      rel_.push_back(r);
+    }
+  }
+
+  absl::string_view name() const override { return "cpu"; }
+
+  absl::StatusOr<std::unique_ptr<KvCache>> NewCache(int capacity_tokens) override {
+    const int max_len = model_->config().max_seq_len;
+    if (capacity_tokens < 1 || capacity_tokens > max_len) {
+      return absl::InvalidArgumentError(absl::StrCat("cache capacity ", capacity_tokens,
+                                                     " tokens; allowed 1..", max_len,
+                                                     " (the model's max_seq_len)"));
+    }
+    return std::make_unique<CpuKvCache>(model_->config(), capacity_tokens);
+  }
+
+  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
+
+ private:
+  void Norm(const float* x, int rows, const float* w, const float* b, float* y) const {
+    const ModelConfig& c = model_->config();
+    if (c.norm == NormKind::kLayerNorm) {
+      cpu::LayerNorm(x, rows, c.d_model, w, b, c.norm_eps, y);
+    } else {
+      cpu::RmsNorm(x, rows, c.d_model, w, c.norm_eps, y);
+    }
+  }
+
+  std::shared_ptr<const Model> model_;
+  cpu::AttentionDims dims_;
+  std::vector<cpu::RelativeParams> rel_;
+  // Activations, reused across calls: [tokens, width].
+  std::vector<float> x_, h_, q_, k_, v_, att_, tmp_, up_, gate_;
+};
+
+absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
+  const ModelConfig& c = model_->config();
+  int total = 0;
+  int out_rows = 0;
+  for (const SequenceStep& s : steps) {
+    const int n = static_cast<int>(s.tokens.size());
+    if (n == 0) return absl::InvalidArgumentError("a sequence step has no tokens");
+    auto* cache = dynamic_cast<CpuKvCache*>(s.cache);
+    if (cache == nullptr) return absl::InvalidArgumentError("step without a CPU KV cache");
+    if (s.start_pos < 0 || s.start_pos + n > cache->capacity()) {
+      return absl::OutOfRangeError(absl::StrCat("positions ", s.start_pos, "..", s.start_pos + n - 1,
+                                                " exceed the cache capacity of ",
+                                                cache->capacity(), " tokens"));
+    }
+    for (int32_t t : s.tokens) {
+      if (t < 0 || t >= c.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
+      }
+    }
+    total += n;
+    out_rows += s.all_logits ? n : 1;
+  }
+  const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
+  auto sized = [](std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  };
+  float* x = sized(x_, int64_t{total} * d);
+  float* h = sized(h_, int64_t{total} * d);
+  float* q = sized(q_, int64_t{total} * w);
+  float* k = sized(k_, int64_t{total} * w);
+  float* v = sized(v_, int64_t{total} * w);
+  float* att = sized(att_, int64_t{total} * w);
+  float* tmp = sized(tmp_, int64_t{total} * d);
+  float* up = sized(up_, int64_t{total} * f);
+  float* gate = c.ffn_gated ? sized(gate_, int64_t{total} * f) : nullptr;
+
+  {
+    int row = 0;
+    for (const SequenceStep& s : steps) {
+      cpu::Embedding(model_->embed(), d, s.tokens.data(), static_cast<int>(s.tokens.size()),
+                     c.embedding_scale, x + int64_t{row} * d);
+      row += static_cast<int>(s.tokens.size());
+    }
+  }
+  const bool pre = c.norm_placement == NormPlacement::kPre;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& lw = model_->layer(l);
+    const float* in = x;
+    if (pre) {
+      Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, h);
+      in = h;
+    }
+    cpu::Linear(in, total, d, lw.wq, lw.bq, w, q);
+    cpu::Linear(in, total, d, lw.wk, lw.bk, w, k);
+    cpu::Linear(in, total, d, lw.wv, lw.bv, w, v);
+    int row = 0;
+    for (const SequenceStep& s : steps) {
+      const int n = static_cast<int>(s.tokens.size());
+      const cpu::KvView view = static_cast<CpuKvCache*>(s.cache)->View(l);
+      const int64_t off = int64_t{row} * w;
+      cpu::WriteKv(view, k + off, v + off, s.start_pos, n);
+      if (n == 1) {
+        cpu::AttentionDecode(dims_, rel_[l], view, q + off, s.start_pos, att + off);
+      } else {
+        cpu::AttentionPrefill(dims_, rel_[l], view, q + off, s.start_pos, n, att + off);
+      }
+      row += n;
+    }
+    cpu::Linear(att, total, w, lw.wo, lw.bo, d, tmp);
+    cpu::AddInPlace(x, tmp, int64_t{total} * d);
+    if (!pre) Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, x);
+
+    in = x;
+    if (pre) {
+      Norm(x, total, lw.ffn_norm_w, lw.ffn_norm_b, h);
+      in = h;
+    }
+    cpu::Linear(in, total, d, lw.w_up, lw.b_up, f, up);
+    if (c.ffn_gated) {
+      cpu::Linear(in, total, d, lw.w_gate, lw.b_gate, f, gate);
+      cpu::ActivateGated(c.ffn_activation, gate, up, int64_t{total} * f);
+      std::swap(up, gate);
+    } else {
+      cpu::Activate(c.ffn_activation, up, int64_t{total} * f);
+    }
+    cpu::Linear(up, total, f, lw.w_down, lw.b_down, d, tmp);
+    cpu::AddInPlace(x, tmp, int64_t{total} * d);
+    if (!pre) Norm(x, total, lw.ffn_norm_w, lw.ffn_norm_b, x);
+  }
+
+  // Rows whose logits are wanted, gathered before the final norm and the vocabulary projection.
+  float* sel = h;
+  {
+    int row = 0, o = 0;
+    for (const SequenceStep& s : steps) {
+      const int n = static_cast<int>(s.tokens.size());
+      const int first = s.all_logits ? row : row + n - 1;
+      const int count = s.all_logits ? n : 1;
+      std::copy(x + int64_t{first} * d, x + int64_t{first + count} * d, sel + int64_t{o} * d);
+      o += count;
+      row += n;
+    }
+  }
+  if (pre) Norm(sel, out_rows, model_->final_norm_w(), model_->final_norm_b(), sel);
+  logits->resize(int64_t{out_rows} * c.vocab_size);
+  cpu::Linear(sel, out_rows, d, model_->lm_head(), nullptr, c.vocab_size, logits->data());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model) {
+  if (model == nullptr) return absl::InvalidArgumentError("no model");
+  return std::make_unique<CpuBackend>(std::move(model));
+}
+
+}  // namespace relgen

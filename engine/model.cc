@@ -1,0 +1,159 @@
+#include "engine/model.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/relpos_host.h"
+
+namespace relgen {
+namespace {
+
+std::string ShapeStr(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+}  // namespace
+
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
+  const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim, v = c.vocab_size;
+  const int64_t hs = c.rel_table_heads(), hd = c.head_dim;
+  const bool layernorm = c.norm == NormKind::kLayerNorm;
+  std::vector<TensorSpec> specs;
+  auto add = [&](std::string name, std::vector<int64_t> shape) {
+    specs.push_back({std::move(name), std::move(shape)});
+  };
+  auto norm = [&](const std::string& prefix) {
+    add(prefix + ".weight", {d});
+    if (layernorm) add(prefix + ".bias", {d});
+  };
+  auto linear = [&](const std::string& prefix, int64_t out, int64_t in) {
+    add(prefix + ".weight", {out, in});
+    if (c.linear_bias) add(prefix + ".bias", {out});
+  };
+  auto relative = [&](const std::string& prefix) {
+    using relpos::Scheme;
+    switch (c.rel.scheme) {
+      case Scheme::kSkew:
+      case Scheme::kSkewLocal:
+        add(prefix + "rel_k", {hs, c.rel.max_relative_position, hd});
+        break;
+      case Scheme::kShaw:
+        add(prefix + "rel_k", {hs, 2 * int64_t{c.rel.clip} + 1, hd});
+        if (c.rel.relative_values) add(prefix + "rel_v", {hs, 2 * int64_t{c.rel.clip} + 1, hd});
+        break;
+      case Scheme::kT5:
+        add(prefix + "rel_bias", {hs, c.rel.num_buckets});
+        break;
+      default:
+        break;
+    }
+  };
+  add("embed.weight", {v, d});
+  if (c.rel.share_across_layers) relative("attn.");
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = absl::StrCat("layers.", l, ".");
+    norm(p + "attn_norm");
+    linear(p + "attn.q", w, d);
+    linear(p + "attn.k", w, d);
+    linear(p + "attn.v", w, d);
+    linear(p + "attn.o", d, w);
+    if (!c.rel.share_across_layers) relative(p + "attn.");
+    norm(p + "ffn_norm");
+    linear(p + "ffn.up", f, d);
+    if (c.ffn_gated) linear(p + "ffn.gate", f, d);
+    linear(p + "ffn.down", d, f);
+  }
+  if (c.norm_placement == NormPlacement::kPre) norm("final_norm");
+  if (!c.tie_embeddings) add("lm_head.weight", {v, d});
+  return specs;
+}
+
+const float* Model::Get(const std::string& name) const {
+  auto it = storage_.find(name);
+  return it == storage_.end() ? nullptr : it->second.data();
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& dir) {
+  auto config = LoadModelConfig(dir + "/config.json");
+  if (!config.ok()) return config.status();
+  return FromFiles(*std::move(config), dir + "/model.safetensors", dir);
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> Model::FromFiles(ModelConfig config,
+                                                              const std::string& weights_path,
+                                                              std::string dir) {
+  auto file = SafetensorsFile::Open(weights_path);
+  if (!file.ok()) return file.status();
+  const std::vector<TensorSpec> specs = ExpectedTensors(config);
+
+  std::shared_ptr<Model> m(new Model());
+  m->config_ = std::move(config);
+  m->dir_ = std::move(dir);
+  auto bad = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(weights_path, ": ", what));
+  };
+  for (const TensorSpec& spec : specs) {
+    const TensorInfo* t = (*file)->Find(spec.name);
+    if (t == nullptr) {
+      return bad(absl::StrCat("missing tensor '", spec.name, "' (expected shape ", ShapeStr(spec.shape),
+                              ", dtype F32, F16 or BF16)"));
+    }
+    if (t->dtype != DType::kF32 && t->dtype != DType::kF16 && t->dtype != DType::kBF16) {
+      return bad(absl::StrCat("tensor '", spec.name, "' has dtype ", DTypeName(t->dtype),
+                              "; allowed: F32, F16, BF16"));
+    }
+    if (t->shape != spec.shape) {
+      return bad(absl::StrCat("tensor '", spec.name, "' has shape ", ShapeStr(t->shape),
+                              "; the config requires ", ShapeStr(spec.shape)));
+    }
+    auto values = ToFloat32(*t);
+    if (!values.ok()) return values.status();
+    m->num_parameters_ += t->numel();
+    m->storage_.emplace(spec.name, *std::move(values));
+  }
+  if (!specs.empty()) m->file_dtype_ = (*file)->Find(specs.front().name)->dtype;
+  for (const TensorInfo& t : (*file)->tensors()) {
+    if (!m->storage_.contains(t.name)) {
+      return bad(absl::StrCat("unexpected tensor '", t.name, "' ", ShapeStr(t.shape),
+                              ": this config does not use it (see docs/model-format.md)"));
+    }
+  }
+
+  const ModelConfig& c = m->config_;
+  m->embed_ = m->Get("embed.weight");
+  m->final_norm_w_ = m->Get("final_norm.weight");
+  m->final_norm_b_ = m->Get("final_norm.bias");
+  m->lm_head_ = c.tie_embeddings ? m->embed_ : m->Get("lm_head.weight");
+  m->layers_.resize(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = absl::StrCat("layers.", l, ".");
+    const std::string rp = c.rel.share_across_layers ? "attn." : p + "attn.";
+    LayerWeights& lw = m->layers_[l];
+    lw.attn_norm_w = m->Get(p + "attn_norm.weight");
+    lw.attn_norm_b = m->Get(p + "attn_norm.bias");
+    lw.wq = m->Get(p + "attn.q.weight");
+    lw.bq = m->Get(p + "attn.q.bias");
+    lw.wk = m->Get(p + "attn.k.weight");
+    lw.bk = m->Get(p + "attn.k.bias");
+    lw.wv = m->Get(p + "attn.v.weight");
+    lw.bv = m->Get(p + "attn.v.bias");
+    lw.wo = m->Get(p + "attn.o.weight");
+    lw.bo = m->Get(p + "attn.o.bias");
+    lw.ffn_norm_w = m->Get(p + "ffn_norm.weight");
+    lw.ffn_norm_b = m->Get(p + "ffn_norm.bias");
+    lw.w_up = m->Get(p + "ffn.up.weight");
+    lw.b_up = m->Get(p + "ffn.up.bias");
+    lw.w_gate = m->Get(p + "ffn.gate.weight");
+    lw.b_gate = m->Get(p + "ffn.gate.bias");
+    lw.w_down = m->Get(p + "ffn.down.weight");
+    lw.b_down = m->Get(p + "ffn.down.bias");
+    lw.rel_k = m->Get(rp + "rel_k");
+    lw.rel_v = m->Get(rp + "rel_v");
+    lw.rel_bias = m->Get(rp + "rel_bias");
+  }
+  if (c.rel.scheme == relpos::Scheme::kT5) {
+    m->t5_table_ = relpos::T5BucketTable(c.rel.num_buckets, c.rel.max_distance, c.rel.bidirectional);
+  }
+  if (c.rel.scheme == relpos::Scheme::kAlibi) m->alibi_slopes_ = relpos::AlibiSlopes(c.n_heads);
+  return std::shared_ptr<const Model>(std::move(m));
+}
+
+}  // namespace relgen

@@ -1,0 +1,92 @@
+// A loaded model: validated config plus float32 weights, immutable and shareable across threads.
+// Tensor names and shapes are fixed by the config (ExpectedTensors) and documented in
+// docs/model-format.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/config.h"
+#include "engine/safetensors.h"
+
+namespace relgen {
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Every tensor a model with this config must carry, in file order of the documentation.
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
+
+// Pointers into Model's storage; null where the config has no such tensor.
+struct LayerWeights {
+  const float* attn_norm_w = nullptr;  // [d_model]
+  const float* attn_norm_b = nullptr;  // [d_model] (layernorm)
+  const float* wq = nullptr;           // [heads*head_dim, d_model]
+  const float* bq = nullptr;
+  const float* wk = nullptr;
+  const float* bk = nullptr;
+  const float* wv = nullptr;
+  const float* bv = nullptr;
+  const float* wo = nullptr;  // [d_model, heads*head_dim]
+  const float* bo = nullptr;
+  const float* ffn_norm_w = nullptr;
+  const float* ffn_norm_b = nullptr;
+  const float* w_up = nullptr;  // [ffn_dim, d_model]
+  const float* b_up = nullptr;
+  const float* w_gate = nullptr;  // [ffn_dim, d_model] (gated FFN)
+  const float* b_gate = nullptr;
+  const float* w_down = nullptr;  // [d_model, ffn_dim]
+  const float* b_down = nullptr;
+  const float* rel_k = nullptr;     // skew [Hs, M, head_dim]; shaw [Hs, 2k+1, head_dim]
+  const float* rel_v = nullptr;     // shaw relative values [Hs, 2k+1, head_dim]
+  const float* rel_bias = nullptr;  // t5 [Hs, num_buckets]
+};
+
+class Model {
+ public:
+  // Loads `dir`/config.json and `dir`/model.safetensors.
+  static absl::StatusOr<std::shared_ptr<const Model>> Load(const std::string& dir);
+  // `dir` is only recorded (for reporting and for files beside the weights, e.g. a tokenizer).
+  static absl::StatusOr<std::shared_ptr<const Model>> FromFiles(ModelConfig config,
+                                                                const std::string& weights_path,
+                                                                std::string dir = "");
+
+  const ModelConfig& config() const { return config_; }
+  const std::string& dir() const { return dir_; }
+  const LayerWeights& layer(int i) const { return layers_[i]; }
+  const float* embed() const { return embed_; }
+  const float* final_norm_w() const { return final_norm_w_; }
+  const float* final_norm_b() const { return final_norm_b_; }
+  const float* lm_head() const { return lm_head_; }  // the embedding when tied
+  // Exact T5 bucket of each causal distance 0..max_distance (t5 only).
+  const std::vector<int32_t>& t5_bucket_table() const { return t5_table_; }
+  const std::vector<float>& alibi_slopes() const { return alibi_slopes_; }
+  int64_t num_parameters() const { return num_parameters_; }
+  // Weight dtype on disk (the first tensor's), for reporting.
+  DType file_dtype() const { return file_dtype_; }
+
+ private:
+  Model() = default;
+  const float* Get(const std::string& name) const;
+
+  ModelConfig config_;
+  std::string dir_;
+  std::unordered_map<std::string, std::vector<float>> storage_;
+  std::vector<LayerWeights> layers_;
+  const float* embed_ = nullptr;
+  const float* final_norm_w_ = nullptr;
+  const float* final_norm_b_ = nullptr;
+  const float* lm_head_ = nullptr;
+  std::vector<int32_t> t5_table_;
+  std::vector<float> alibi_slopes_;
+  int64_t num_parameters_ = 0;
+  DType file_dtype_ = DType::kF32;
+};
+
+}  // namespace relgen

@@ -1,0 +1,81 @@
+// CPU attention with relative-position terms, in three modes: prefill (the whole prompt, start 0),
+// chunked prefill (several queries starting at any cache position) and decode (one query).
+// The relative term is computed for the queries of the call only: the skew turns one Q*E^T
+// product per head into the relative logits (no [L, L, D] tensor); Shaw uses one Q*R^T product and
+// a gather; T5 a bucket lookup; ALiBi a slope.
+// Thread-safety: reentrant; scratch memory is per thread.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/relpos.h"
+
+namespace relgen::cpu {
+
+// Relative-position parameters of one layer. "Hs" is 1 when heads share a table, else n_heads.
+struct RelativeParams {
+  relpos::Scheme scheme = relpos::Scheme::kNone;
+  bool heads_share = false;
+  // kSkew / kSkewLocal: [Hs, rows, head_dim], row r holds distance rows-1-r (rows = M).
+  // kShaw: [Hs, rows, head_dim], row r holds clipped relative position r-k (rows = 2k+1).
+  const float* table_k = nullptr;
+  const float* table_v = nullptr;  // kShaw relative values, [Hs, 2k+1, head_dim], or null
+  int rows = 0;
+  int clip_k = 0;        // kShaw
+  int block_length = 0;  // kSkewLocal
+  // kT5: bias[Hs, num_buckets] and the exact distance->bucket table.
+  const float* t5_bias = nullptr;
+  int t5_num_buckets = 0;
+  const int32_t* t5_bucket_of_distance = nullptr;
+  int t5_table_len = 0;
+  const float* alibi_slopes = nullptr;  // kAlibi, [n_heads]
+  // True: softmax(scale * (QK^T + rel)); false: softmax(scale * QK^T + rel).
+  bool scale_with_qk = true;
+};
+
+// One layer's keys and values, paged: pool [num_blocks, n_heads, block_size, head_dim] and a block
+// table mapping a sequence's logical block to a pool block. A contiguous cache is one block.
+struct KvView {
+  float* k = nullptr;
+  float* v = nullptr;
+  const int32_t* block_table = nullptr;
+  int block_size = 0;
+  int n_heads = 0;
+  int head_dim = 0;
+
+  int64_t RowOffset(int head, int pos) const {
+    const int64_t block = block_table[pos / block_size];
+    return ((block * n_heads + head) * block_size + pos % block_size) * head_dim;
+  }
+  float* KeyRow(int head, int pos) const { return k + RowOffset(head, pos); }
+  float* ValueRow(int head, int pos) const { return v + RowOffset(head, pos); }
+};
+
+struct AttentionDims {
+  int n_heads = 0;
+  int head_dim = 0;
+  float scale = 0.0f;  // multiplies QK^T (usually 1/sqrt(head_dim))
+};
+
+// Stores k, v [n, n_heads*head_dim] at positions start..start+n-1.
+void WriteKv(const KvView& kv, const float* k, const float* v, int start, int n);
+
+// Queries q [n, n_heads*head_dim] at positions start..start+n-1 (n >= 1, any start) attend to the
+// cache, which must already hold keys/values for positions 0..start+n-1. out [n, n_heads*head_dim].
+void AttentionPrefill(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
+                      const float* q, int start, int n, float* out);
+
+// One query q [n_heads*head_dim] at position pos; the cache holds positions 0..pos.
+void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
+                     const float* q, int pos, float* out);
+
+// Adds mult * S_rel to scores [lq, lk] (row stride lk) for lq queries whose last row sits at the
+// last of lk keys (query i at key index i + lk - lq), from a skew table e [m, hd] whose row r holds
+// distance m-1-r (distances >= m contribute zero). Computes one Q*E^T product over the distances
+// the tile needs into a buffer padded with one column on the left, then reads it through the skew
+// view: padded-flat[lq + i*lk + j] (pad left, reshape, drop the first lq elements: one row when
+// lq == lk). Only the causal part j <= i + lk - lq is written; `scratch` holds lq*(lk+1) floats.
+void AddSkewedRelativeLogits(const float* q, int ldq, int lq, int lk, const float* e, int m, int hd,
+                             float mult, float* scores, float* scratch);
+
+}  // namespace relgen::cpu

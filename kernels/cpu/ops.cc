@@ -1,0 +1,123 @@
+#include "kernels/cpu/ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace relgen::cpu {
+
+void GemmNT(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+            float beta, float* c, int ldc) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
+              ldc);
+}
+
+void GemmNN(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+            float beta, float* c, int ldc) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
+              ldc);
+}
+
+void Linear(const float* x, int rows, int in, const float* w, const float* bias, int out, float* y) {
+  if (bias != nullptr) {
+    for (int r = 0; r < rows; ++r) std::copy(bias, bias + out, y + static_cast<int64_t>(r) * out);
+  }
+  GemmNT(rows, out, in, 1.0f, x, in, w, in, bias != nullptr ? 1.0f : 0.0f, y, out);
+}
+
+void LayerNorm(const float* x, int rows, int dim, const float* weight, const float* bias, float eps,
+               float* y) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + static_cast<int64_t>(r) * dim;
+    float* yr = y + static_cast<int64_t>(r) * dim;
+    double mean = 0;
+    for (int i = 0; i < dim; ++i) mean += xr[i];
+    mean /= dim;
+    double var = 0;
+    for (int i = 0; i < dim; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    var /= dim;
+    const float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
+    const float m = static_cast<float>(mean);
+    for (int i = 0; i < dim; ++i) {
+      yr[i] = (xr[i] - m) * inv * weight[i] + (bias != nullptr ? bias[i] : 0.0f);
+    }
+  }
+}
+
+void RmsNorm(const float* x, int rows, int dim, const float* weight, float eps, float* y) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + static_cast<int64_t>(r) * dim;
+    float* yr = y + static_cast<int64_t>(r) * dim;
+    double ss = 0;
+    for (int i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+    for (int i = 0; i < dim; ++i) yr[i] = xr[i] * inv * weight[i];
+  }
+}
+
+namespace {
+
+inline float Apply(Activation act, float v) {
+  switch (act) {
+    case Activation::kRelu:
+      return v > 0.0f ? v : 0.0f;
+    case Activation::kGelu:
+      return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+    case Activation::kGeluTanh: {
+      const float c = 0.79788456080286536f;  // sqrt(2/pi)
+      return 0.5f * v * (1.0f + std::tanh(c * (v + 0.044715f * v * v * v)));
+    }
+    case Activation::kSilu:
+      return v / (1.0f + std::exp(-v));
+  }
+  return v;
+}
+
+}  // namespace
+
+void Activate(Activation act, float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = Apply(act, x[i]);
+}
+
+void ActivateGated(Activation act, float* x, const float* gate, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = Apply(act, x[i]) * gate[i];
+}
+
+void Embedding(const float* table, int dim, const int32_t* ids, int n, float scale, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const float* row = table + static_cast<int64_t>(ids[i]) * dim;
+    float* o = out + static_cast<int64_t>(i) * dim;
+    for (int d = 0; d < dim; ++d) o[d] = row[d] * scale;
+  }
+}
+
+void AddInPlace(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void SoftmaxRows(float* x, int rows, int cols, int ld) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < rows; ++r) {
+    float* row = x + static_cast<int64_t>(r) * ld;
+    float mx = kNegInf;
+    for (int c = 0; c < cols; ++c) mx = std::max(mx, row[c]);
+    if (mx == kNegInf) {  // nothing visible: all-zero weights rather than NaN
+      std::fill(row, row + cols, 0.0f);
+      continue;
+    }
+    float sum = 0.0f;
+    for (int c = 0; c < cols; ++c) {
+      const float e = row[c] == kNegInf ? 0.0f : std::exp(row[c] - mx);
+      row[c] = e;
+      sum += e;
+    }
+    const float inv = 1.0f / sum;
+    for (int c = 0; c < cols; ++c) row[c] *= inv;
+  }
+}
+
+}  // namespace relgen::cpu

@@ -1,0 +1,40 @@
+// CPU kernels for the dense parts of the decoder. All tensors are row-major float32.
+// Thread-safety: every function is reentrant; none keeps state.
+#pragma once
+
+#include <cstdint>
+
+namespace relgen::cpu {
+
+enum class Activation : int32_t { kRelu, kGelu, kGeluTanh, kSilu };
+
+// y[rows, out] = x[rows, in] * w[out, in]^T (+ bias[out] when not null). y must not alias x.
+void Linear(const float* x, int rows, int in, const float* w, const float* bias, int out, float* y);
+
+// c[m, n] = alpha * a[m, k] * b[n, k]^T + beta * c, with leading dimensions (row strides).
+void GemmNT(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+            float beta, float* c, int ldc);
+// c[m, n] = alpha * a[m, k] * b[k, n] + beta * c.
+void GemmNN(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+            float beta, float* c, int ldc);
+
+// Row-wise norms over `dim`; `bias` may be null. y may alias x.
+void LayerNorm(const float* x, int rows, int dim, const float* weight, const float* bias, float eps,
+               float* y);
+void RmsNorm(const float* x, int rows, int dim, const float* weight, float eps, float* y);
+
+// In place on n values.
+void Activate(Activation act, float* x, int64_t n);
+// x[i] = act(x[i]) * gate[i], n values (gated FFN, e.g. SwiGLU / GeGLU).
+void ActivateGated(Activation act, float* x, const float* gate, int64_t n);
+
+// out[i, :] = table[ids[i], :] * scale. Ids must be in range (checked by the caller).
+void Embedding(const float* table, int dim, const int32_t* ids, int n, float scale, float* out);
+
+// y[i] += x[i].
+void AddInPlace(float* y, const float* x, int64_t n);
+
+// Numerically stable softmax of each row, in place; entries equal to -inf get probability 0.
+void SoftmaxRows(float* x, int rows, int cols, int ld);
+
+}  // namespace relgen::cpu

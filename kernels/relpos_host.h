@@ -1,0 +1,24 @@
+// Host-only builders for the relative-position tables that must be exact: T5 buckets (a float `log`
+// can move a boundary that sits on an integer) and ALiBi slopes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace relgen::relpos {
+
+// T5's bucket for relative_position = key_pos - query_pos, computed exactly with integers:
+// bucket = max_exact + the largest k with (max_distance/max_exact)^k <= (n/max_exact)^S, where
+// S = buckets - max_exact, clamped to the last bucket. With `bidirectional` half of the buckets
+// are for positive relative positions. Requires num_buckets >= 2 (>= 4 bidirectional) and
+// max_distance > num_buckets/2 (resp. /4).
+int T5Bucket(int relative_position, int num_buckets, int max_distance, bool bidirectional);
+
+// Bucket of each causal distance 0..max_distance (every larger distance maps to the last entry).
+std::vector<int32_t> T5BucketTable(int num_buckets, int max_distance, bool bidirectional);
+
+// ALiBi slopes: for n a power of two, 2^(-8(h+1)/n); otherwise the slopes of the closest power of
+// two p below n followed by every other slope of 2p, as in the ALiBi paper's reference code.
+std::vector<float> AlibiSlopes(int num_heads);
+
+}  // namespace relgen::relpos
