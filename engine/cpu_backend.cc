@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cpu/ops.h"
 
 namespace relgen {
@@ -44,13 +47,24 @@ class CpuKvCache final : public KvCache {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(std::shared_ptr<const Model> model) : model_(std::move(model)) {
+  explicit CpuBackend(std::shared_ptr<const Model> model)
+      : model_(std::move(model)),
+        pool_(std::max(1u, std::thread::hardware_concurrency())) {
     const ModelConfig& c = model_->config();
+    const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
     dims_.n_heads = c.n_heads;
     dims_.head_dim = c.head_dim;
     dims_.scale = c.attention_scale;
     for (int l = 0; l < c.n_layers; ++l) {
       const LayerWeights& lw = model_->layer(l);
+      PackedLayer& pl = packed_.emplace_back();
+      pl.q = cpu::PackedMatrix(lw.wq, w, d);
+      pl.k = cpu::PackedMatrix(lw.wk, w, d);
+      pl.v = cpu::PackedMatrix(lw.wv, w, d);
+      pl.o = cpu::PackedMatrix(lw.wo, d, w);
+      pl.up = cpu::PackedMatrix(lw.w_up, f, d);
+      if (lw.w_gate != nullptr) pl.gate = cpu::PackedMatrix(lw.w_gate, f, d);
+      pl.down = cpu::PackedMatrix(lw.w_down, d, f);
       cpu::RelativeParams r;
       r.scheme = c.rel.scheme;
       r.heads_share = c.rel.heads_share_table;
@@ -71,6 +85,7 @@ class CpuBackend final : public Backend {
       r.alibi_slopes = model_->alibi_slopes().data();
       rel_.push_back(r);
     }
+    lm_head_ = cpu::PackedMatrix(model_->lm_head(), c.vocab_size, d);
   }
 
   absl::string_view name() const override { return "cpu"; }
@@ -97,7 +112,17 @@ class CpuBackend final : public Backend {
     }
   }
 
+  struct PackedLayer {
+    cpu::PackedMatrix q, k, v, o, up, gate, down;
+  };
+  void Linear(const float* x, int rows, const cpu::PackedMatrix& w, const float* bias, float* y) {
+    cpu::LinearPacked(x, rows, w, bias, y, &pool_);
+  }
+
   std::shared_ptr<const Model> model_;
+  cpu::ThreadPool pool_;
+  std::vector<PackedLayer> packed_;
+  cpu::PackedMatrix lm_head_;
   cpu::AttentionDims dims_;
   std::vector<cpu::RelativeParams> rel_;
   // Activations, reused across calls: [tokens, width].
@@ -158,9 +183,9 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
       Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, h);
       in = h;
     }
-    cpu::Linear(in, total, d, lw.wq, lw.bq, w, q);
-    cpu::Linear(in, total, d, lw.wk, lw.bk, w, k);
-    cpu::Linear(in, total, d, lw.wv, lw.bv, w, v);
+    Linear(in, total, packed_[l].q, lw.bq, q);
+    Linear(in, total, packed_[l].k, lw.bk, k);
+    Linear(in, total, packed_[l].v, lw.bv, v);
     int row = 0;
     for (const SequenceStep& s : steps) {
       const int n = static_cast<int>(s.tokens.size());
@@ -174,7 +199,7 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
       }
       row += n;
     }
-    cpu::Linear(att, total, w, lw.wo, lw.bo, d, tmp);
+    Linear(att, total, packed_[l].o, lw.bo, tmp);
     cpu::AddInPlace(x, tmp, int64_t{total} * d);
     if (!pre) Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, x);
 
@@ -183,15 +208,15 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
       Norm(x, total, lw.ffn_norm_w, lw.ffn_norm_b, h);
       in = h;
     }
-    cpu::Linear(in, total, d, lw.w_up, lw.b_up, f, up);
+    Linear(in, total, packed_[l].up, lw.b_up, up);
     if (c.ffn_gated) {
-      cpu::Linear(in, total, d, lw.w_gate, lw.b_gate, f, gate);
+      Linear(in, total, packed_[l].gate, lw.b_gate, gate);
       cpu::ActivateGated(c.ffn_activation, gate, up, int64_t{total} * f);
       std::swap(up, gate);
     } else {
       cpu::Activate(c.ffn_activation, up, int64_t{total} * f);
     }
-    cpu::Linear(up, total, f, lw.w_down, lw.b_down, d, tmp);
+    Linear(up, total, packed_[l].down, lw.b_down, tmp);
     cpu::AddInPlace(x, tmp, int64_t{total} * d);
     if (!pre) Norm(x, total, lw.ffn_norm_w, lw.ffn_norm_b, x);
   }
@@ -211,7 +236,7 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
   }
   if (pre) Norm(sel, out_rows, model_->final_norm_w(), model_->final_norm_b(), sel);
   logits->resize(int64_t{out_rows} * c.vocab_size);
-  cpu::Linear(sel, out_rows, d, model_->lm_head(), nullptr, c.vocab_size, logits->data());
+  Linear(sel, out_rows, lm_head_, nullptr, logits->data());
   return absl::OkStatus();
 }
 

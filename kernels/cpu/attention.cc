@@ -14,14 +14,23 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query rows per prefill tile: bounds the scratch to O(tile * keys) per call.
 constexpr int kQueryTile = 128;
 
-float Dot(const float* a, const float* b, int n) {
-  float s = 0.0f;
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+// Every query row is computed by the same arithmetic whether it arrives in a prefill tile, a
+// chunk or a decode step, so a sequence's results do not depend on how it was chunked or what it
+// was batched with (the dense layers rely on GEMM rows being independent of the row count).
+
+// Dot product accumulated in 8 lanes, reduced in a fixed order.
+inline float Dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
 struct Scratch {
-  std::vector<float> keys, values, scores, rel, weights;
+  std::vector<float> rel, row, weights;
 };
 
 Scratch& ThreadScratch() {
@@ -38,93 +47,93 @@ const float* TableForHead(const float* table, bool share, int head, int64_t per_
   return table + (share ? 0 : head * per_head);
 }
 
+// One query row of one head: query at position `pos` attends to keys ks..pos. `rel_by_key[j]` is
+// the relative term for key ks+j (null: none); `shaw_products` [k+1] are q.R^K rows for Shaw.
+void AttendRow(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv, int head,
+               const float* q, int pos, int ks, const float* rel_by_key, const float* shaw_products,
+               float* out) {
+  const int hd = dims.head_dim;
+  const int lk = pos - ks + 1;
+  const float rel_mult = rel.scale_with_qk ? dims.scale : 1.0f;
+  Scratch& s = ThreadScratch();
+  float* p = Sized(s.row, lk);
+  for (int j = 0; j < lk; ++j) p[j] = dims.scale * Dot(q, kv.KeyRow(head, ks + j), hd);
+  switch (rel.scheme) {
+    case relpos::Scheme::kNone:
+      break;
+    case relpos::Scheme::kSkew:
+    case relpos::Scheme::kSkewLocal:
+      for (int j = 0; j < lk; ++j) p[j] += rel_mult * rel_by_key[j];
+      break;
+    case relpos::Scheme::kShaw:
+      for (int j = 0; j < lk; ++j) p[j] += rel_mult * shaw_products[relpos::ShawRow(pos, ks + j, rel.clip_k)];
+      break;
+    case relpos::Scheme::kT5: {
+      const float* bias = rel.t5_bias + (rel.heads_share ? 0 : head * rel.t5_num_buckets);
+      for (int j = 0; j < lk; ++j) {
+        p[j] += rel_mult * bias[relpos::T5BucketOfDistance(rel.t5_bucket_of_distance,
+                                                           rel.t5_table_len, pos - (ks + j))];
+      }
+      break;
+    }
+    case relpos::Scheme::kAlibi:
+      for (int j = 0; j < lk; ++j) p[j] += rel_mult * relpos::AlibiBias(rel.alibi_slopes[head], pos - (ks + j));
+      break;
+  }
+  SoftmaxRows(p, 1, lk, lk);
+  std::fill(out, out + hd, 0.0f);
+  for (int j = 0; j < lk; ++j) {
+    const float w = p[j];
+    const float* v = kv.ValueRow(head, ks + j);
+    for (int d = 0; d < hd; ++d) out[d] += w * v[d];
+  }
+  if (rel.scheme == relpos::Scheme::kShaw && rel.table_v != nullptr) {
+    // sum_j w_j R^V[row(j)] = sum over rows of (weights summed per row) * R^V[row].
+    const int k = rel.clip_k;
+    float* w = Sized(s.weights, k + 1);
+    std::fill(w, w + k + 1, 0.0f);
+    for (int j = 0; j < lk; ++j) w[relpos::ShawRow(pos, ks + j, k)] += p[j];
+    const float* rv = TableForHead(rel.table_v, rel.heads_share, head, int64_t{rel.rows} * hd);
+    for (int r = 0; r <= k; ++r) {
+      const float* rr = rv + static_cast<int64_t>(r) * hd;
+      for (int d = 0; d < hd; ++d) out[d] += w[r] * rr[d];
+    }
+  }
+}
+
+// q.R^K for the causal Shaw rows 0..k (relative positions -k..0).
+void ShawProducts(const RelativeParams& rel, int head, int hd, const float* q, float* out) {
+  const float* r = TableForHead(rel.table_k, rel.heads_share, head, int64_t{rel.rows} * hd);
+  for (int row = 0; row <= rel.clip_k; ++row) out[row] = Dot(q, r + static_cast<int64_t>(row) * hd, hd);
+}
+
 // One head, queries at absolute positions qs..qe-1 (rows of `q` with stride ldq), keys ks..qe-1.
-// Every query in the tile sees every key in [ks, its own position].
 void AttendTile(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv, int head,
                 const float* q, int ldq, int qs, int qe, int ks, float* out, int ldo) {
   const int hd = dims.head_dim;
   const int lq = qe - qs;
   const int lk = qe - ks;
+  const bool skew = rel.scheme == relpos::Scheme::kSkew || rel.scheme == relpos::Scheme::kSkewLocal;
   Scratch& s = ThreadScratch();
-  float* keys = Sized(s.keys, static_cast<int64_t>(lk) * hd);
-  float* values = Sized(s.values, static_cast<int64_t>(lk) * hd);
-  for (int j = 0; j < lk; ++j) {
-    std::memcpy(keys + static_cast<int64_t>(j) * hd, kv.KeyRow(head, ks + j), hd * sizeof(float));
-    std::memcpy(values + static_cast<int64_t>(j) * hd, kv.ValueRow(head, ks + j),
-                hd * sizeof(float));
-  }
-  float* scores = Sized(s.scores, static_cast<int64_t>(lq) * lk);
-  GemmNT(lq, lk, hd, dims.scale, q, ldq, keys, hd, 0.0f, scores, lk);
-
-  const float rel_mult = rel.scale_with_qk ? dims.scale : 1.0f;
-  switch (rel.scheme) {
-    case relpos::Scheme::kNone:
-      break;
-    case relpos::Scheme::kSkew:
-    case relpos::Scheme::kSkewLocal: {
-      const float* e = TableForHead(rel.table_k, rel.heads_share, head, int64_t{rel.rows} * hd);
-      AddSkewedRelativeLogits(q, ldq, lq, lk, e, rel.rows, hd, rel_mult, scores,
-                              Sized(s.rel, static_cast<int64_t>(lq) * (lk + 1)));
-      break;
-    }
-    case relpos::Scheme::kShaw: {
-      // Causal keys use rows 0..k (relative positions -k..0).
-      const int k = rel.clip_k;
-      float* qr = Sized(s.rel, static_cast<int64_t>(lq) * (k + 1));
-      const float* r = TableForHead(rel.table_k, rel.heads_share, head, int64_t{rel.rows} * hd);
-      GemmNT(lq, k + 1, hd, 1.0f, q, ldq, r, hd, 0.0f, qr, k + 1);
-      for (int i = 0; i < lq; ++i) {
-        float* row = scores + static_cast<int64_t>(i) * lk;
-        for (int j = 0; j <= i + lk - lq; ++j) {
-          row[j] += rel_mult * qr[static_cast<int64_t>(i) * (k + 1) +
-                                  relpos::ShawRow(qs + i, ks + j, k)];
-        }
-      }
-      break;
-    }
-    case relpos::Scheme::kT5: {
-      const float* bias = rel.t5_bias + (rel.heads_share ? 0 : head * rel.t5_num_buckets);
-      for (int i = 0; i < lq; ++i) {
-        float* row = scores + static_cast<int64_t>(i) * lk;
-        for (int j = 0; j <= i + lk - lq; ++j) {
-          const int b = relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len,
-                                                   qs + i - (ks + j));
-          row[j] += rel_mult * bias[b];
-        }
-      }
-      break;
-    }
-    case relpos::Scheme::kAlibi: {
-      const float slope = rel.alibi_slopes[head];
-      for (int i = 0; i < lq; ++i) {
-        float* row = scores + static_cast<int64_t>(i) * lk;
-        for (int j = 0; j <= i + lk - lq; ++j) {
-          row[j] += rel_mult * relpos::AlibiBias(slope, qs + i - (ks + j));
-        }
-      }
-      break;
-    }
-  }
-  // Causal mask: the upper part (including the skew's garbage) never reaches the softmax.
-  for (int i = 0; i < lq; ++i) {
-    float* row = scores + static_cast<int64_t>(i) * lk;
-    std::fill(row + i + lk - lq + 1, row + lk, kNegInf);
-  }
-  SoftmaxRows(scores, lq, lk, lk);
-  GemmNN(lq, hd, lk, 1.0f, scores, lk, values, hd, 0.0f, out, ldo);
-
-  if (rel.scheme == relpos::Scheme::kShaw && rel.table_v != nullptr) {
-    // sum_j w_ij R^V[row(i,j)] = (w summed per row of R^V) * R^V: [lq, k+1] x [k+1, hd].
-    const int k = rel.clip_k;
-    float* w = Sized(s.weights, static_cast<int64_t>(lq) * (k + 1));
-    std::fill(w, w + static_cast<int64_t>(lq) * (k + 1), 0.0f);
+  float* buf = nullptr;
+  if (skew) {
+    // Relative logits of the whole tile from one Q E^T product and the skew view; row i of the
+    // view is then the relative term of each key, in key order.
+    buf = Sized(s.rel, static_cast<int64_t>(lq) * (lk + 1));
+    std::fill(buf, buf + static_cast<int64_t>(lq) * (lk + 1), 0.0f);
+    const float* e = TableForHead(rel.table_k, rel.heads_share, head, int64_t{rel.rows} * hd);
+    AddSkewedRelativeLogits(q, ldq, lq, lk, e, rel.rows, hd, 1.0f, nullptr, buf);
+  } else if (rel.scheme == relpos::Scheme::kShaw) {
+    buf = Sized(s.rel, static_cast<int64_t>(lq) * (rel.clip_k + 1));
     for (int i = 0; i < lq; ++i) {
-      const float* p = scores + static_cast<int64_t>(i) * lk;
-      float* wi = w + static_cast<int64_t>(i) * (k + 1);
-      for (int j = 0; j <= i + lk - lq; ++j) wi[relpos::ShawRow(qs + i, ks + j, k)] += p[j];
+      ShawProducts(rel, head, hd, q + static_cast<int64_t>(i) * ldq, buf + static_cast<int64_t>(i) * (rel.clip_k + 1));
     }
-    const float* rv = TableForHead(rel.table_v, rel.heads_share, head, int64_t{rel.rows} * hd);
-    GemmNN(lq, hd, k + 1, 1.0f, w, k + 1, rv, hd, 1.0f, out, ldo);
+  }
+  for (int i = 0; i < lq; ++i) {
+    const float* rel_by_key = skew ? buf + lq + static_cast<int64_t>(i) * lk : nullptr;
+    const float* shaw = rel.scheme == relpos::Scheme::kShaw ? buf + static_cast<int64_t>(i) * (rel.clip_k + 1) : nullptr;
+    AttendRow(dims, rel, kv, head, q + static_cast<int64_t>(i) * ldq, qs + i, ks, rel_by_key, shaw,
+              out + static_cast<int64_t>(i) * ldo);
   }
 }
 
@@ -133,12 +142,16 @@ void AttendTile(const AttentionDims& dims, const RelativeParams& rel, const KvVi
 void AddSkewedRelativeLogits(const float* q, int ldq, int lq, int lk, const float* e, int m, int hd,
                              float mult, float* scores, float* scratch) {
   // Column c of the padded buffer (after the pad column) is distance lk-1-c; only the last
-  // min(m, lk) columns have a table row, the rest stay zero.
+  // min(m, lk) columns have a table row (E row m-lk+c), the rest stay zero.
   float* qe = scratch;
   std::fill(qe, qe + static_cast<int64_t>(lq) * (lk + 1), 0.0f);
   const int c0 = std::max(0, lk - m);
-  GemmNT(lq, lk - c0, hd, 1.0f, q, ldq, e + static_cast<int64_t>(m - lk + c0) * hd, hd, 0.0f,
-         qe + 1 + c0, lk + 1);
+  for (int i = 0; i < lq; ++i) {
+    const float* qi = q + static_cast<int64_t>(i) * ldq;
+    float* row = qe + static_cast<int64_t>(i) * (lk + 1) + 1;
+    for (int c = c0; c < lk; ++c) row[c] = Dot(qi, e + static_cast<int64_t>(m - lk + c) * hd, hd);
+  }
+  if (scores == nullptr) return;  // the caller reads the skew view of `scratch` itself
   for (int i = 0; i < lq; ++i) {
     float* row = scores + static_cast<int64_t>(i) * lk;
     const float* skewed = qe + lq + static_cast<int64_t>(i) * lk;
@@ -182,72 +195,31 @@ void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const
   const int hd = dims.head_dim;
   const int ks = relpos::WindowStart(rel.scheme, pos, rel.block_length);
   const int lk = pos - ks + 1;
-  const float rel_mult = rel.scale_with_qk ? dims.scale : 1.0f;
   Scratch& s = ThreadScratch();
-  float* scores = Sized(s.scores, lk);
   for (int h = 0; h < dims.n_heads; ++h) {
     const float* qh = q + h * hd;
-    float* oh = out + h * hd;
-    for (int j = 0; j < lk; ++j) scores[j] = dims.scale * Dot(qh, kv.KeyRow(h, ks + j), hd);
-    switch (rel.scheme) {
-      case relpos::Scheme::kNone:
-        break;
-      case relpos::Scheme::kSkew:
-      case relpos::Scheme::kSkewLocal: {
-        // The skew for one query is a slice of q.E^T: one product per needed distance, then gather.
-        const int m = rel.rows;
-        const int nd = std::min(m, lk);
-        const float* e = TableForHead(rel.table_k, rel.heads_share, h, int64_t{m} * hd);
-        float* qe = Sized(s.rel, nd);
-        for (int d = 0; d < nd; ++d) {
-          qe[d] = Dot(qh, e + static_cast<int64_t>(relpos::SkewRow(d, m)) * hd, hd);
-        }
-        for (int j = 0; j < lk; ++j) {
-          const int d = pos - (ks + j);
-          if (d < nd) scores[j] += rel_mult * qe[d];
-        }
-        break;
+    const float* rel_by_key = nullptr;
+    const float* shaw = nullptr;
+    if (rel.scheme == relpos::Scheme::kSkew || rel.scheme == relpos::Scheme::kSkewLocal) {
+      // The skew for one query is a slice of q.E^T: one product per needed distance (M at most,
+      // not the context length), then a gather into key order.
+      const int m = rel.rows;
+      const int nd = std::min(m, lk);
+      const float* e = TableForHead(rel.table_k, rel.heads_share, h, int64_t{m} * hd);
+      float* buf = Sized(s.rel, nd + lk);
+      for (int d = 0; d < nd; ++d) buf[d] = Dot(qh, e + static_cast<int64_t>(relpos::SkewRow(d, m)) * hd, hd);
+      float* by_key = buf + nd;
+      for (int j = 0; j < lk; ++j) {
+        const int d = pos - (ks + j);
+        by_key[j] = d < nd ? buf[d] : 0.0f;
       }
-      case relpos::Scheme::kShaw: {
-        const int k = rel.clip_k;
-        const float* r = TableForHead(rel.table_k, rel.heads_share, h, int64_t{rel.rows} * hd);
-        float* qr = Sized(s.rel, k + 1);
-        for (int row = 0; row <= k; ++row) qr[row] = Dot(qh, r + static_cast<int64_t>(row) * hd, hd);
-        for (int j = 0; j < lk; ++j) scores[j] += rel_mult * qr[relpos::ShawRow(pos, ks + j, k)];
-        break;
-      }
-      case relpos::Scheme::kT5: {
-        const float* bias = rel.t5_bias + (rel.heads_share ? 0 : h * rel.t5_num_buckets);
-        for (int j = 0; j < lk; ++j) {
-          scores[j] += rel_mult * bias[relpos::T5BucketOfDistance(
-                                      rel.t5_bucket_of_distance, rel.t5_table_len, pos - (ks + j))];
-        }
-        break;
-      }
-      case relpos::Scheme::kAlibi:
-        for (int j = 0; j < lk; ++j) {
-          scores[j] += rel_mult * relpos::AlibiBias(rel.alibi_slopes[h], pos - (ks + j));
-        }
-        break;
+      rel_by_key = by_key;
+    } else if (rel.scheme == relpos::Scheme::kShaw) {
+      float* buf = Sized(s.rel, rel.clip_k + 1);
+      ShawProducts(rel, h, hd, qh, buf);
+      shaw = buf;
     }
-    SoftmaxRows(scores, 1, lk, lk);
-    std::fill(oh, oh + hd, 0.0f);
-    for (int j = 0; j < lk; ++j) {
-      const float p = scores[j];
-      const float* v = kv.ValueRow(h, ks + j);
-      for (int d = 0; d < hd; ++d) oh[d] += p * v[d];
-    }
-    if (rel.scheme == relpos::Scheme::kShaw && rel.table_v != nullptr) {
-      const int k = rel.clip_k;
-      float* w = Sized(s.weights, k + 1);
-      std::fill(w, w + k + 1, 0.0f);
-      for (int j = 0; j < lk; ++j) w[relpos::ShawRow(pos, ks + j, k)] += scores[j];
-      const float* rv = TableForHead(rel.table_v, rel.heads_share, h, int64_t{rel.rows} * hd);
-      for (int row = 0; row <= k; ++row) {
-        const float* rr = rv + static_cast<int64_t>(row) * hd;
-        for (int d = 0; d < hd; ++d) oh[d] += w[row] * rr[d];
-      }
-    }
+    AttendRow(dims, rel, kv, h, qh, pos, ks, rel_by_key, shaw, out + h * hd);
   }
 }
 

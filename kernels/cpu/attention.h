@@ -3,7 +3,8 @@
 // The relative term is computed for the queries of the call only: the skew turns one Q*E^T
 // product per head into the relative logits (no [L, L, D] tensor); Shaw uses one Q*R^T product and
 // a gather; T5 a bucket lookup; ALiBi a slope.
-// Thread-safety: reentrant; scratch memory is per thread.
+// Each query row is computed by one fixed sequence of float operations in every mode, so results
+// do not depend on chunking or batching (bitwise). Thread-safety: reentrant; scratch is per thread.
 #pragma once
 
 #include <cstdint>
@@ -75,6 +76,7 @@ void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const
 // the tile needs into a buffer padded with one column on the left, then reads it through the skew
 // view: padded-flat[lq + i*lk + j] (pad left, reshape, drop the first lq elements: one row when
 // lq == lk). Only the causal part j <= i + lk - lq is written; `scratch` holds lq*(lk+1) floats.
+// With scores == null only `scratch` is filled (the caller reads the skew view itself).
 void AddSkewedRelativeLogits(const float* q, int ldq, int lq, int lk, const float* e, int m, int hd,
                              float mult, float* scores, float* scratch);
 

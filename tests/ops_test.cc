@@ -1,0 +1,103 @@
+// Dense CPU kernels: the decoder's batch invariance rests on a GEMM row being independent of how
+// many rows are computed with it; norms and activations against direct formulas.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/ops.h"
+
+namespace relgen {
+namespace {
+
+std::vector<float> Random(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
+  cpu::ThreadPool pool(2);
+  for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{512, 1536}}) {
+    const std::vector<float> w = Random(size_t(in) * out, 1), b = Random(out, 2);
+    const cpu::PackedMatrix packed(w.data(), out, in);
+    for (int rows : {1, 2, 3, 9, 16, 33, 130, 300}) {
+      const std::vector<float> x = Random(size_t(rows) * in, rows);
+      std::vector<float> all(size_t(rows) * out), one(out);
+      cpu::LinearPacked(x.data(), rows, packed, b.data(), all.data(), &pool);
+      for (int r = 0; r < rows; ++r) {
+        cpu::LinearPacked(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr);
+        ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0)
+            << "row " << r << " of " << rows << " (" << in << " -> " << out << ")";
+        for (int o = 0; o < out; ++o) {
+          double want = b[o];
+          for (int i = 0; i < in; ++i) want += double(x[size_t(r) * in + i]) * w[size_t(o) * in + i];
+          ASSERT_NEAR(one[o], want, 1e-4 * std::sqrt(double(in)) * 4) << r << "," << o;
+        }
+      }
+    }
+  }
+}
+
+TEST(LinearTest, BlasAgreesWithinRounding) {
+  const int in = 64, out = 96, rows = 5;
+  const std::vector<float> w = Random(size_t(in) * out, 3), x = Random(size_t(rows) * in, 4);
+  std::vector<float> blas(size_t(rows) * out), packed(size_t(rows) * out);
+  cpu::Linear(x.data(), rows, in, w.data(), nullptr, out, blas.data());
+  cpu::LinearPacked(x.data(), rows, cpu::PackedMatrix(w.data(), out, in), nullptr, packed.data(), nullptr);
+  for (size_t i = 0; i < blas.size(); ++i) ASSERT_NEAR(blas[i], packed[i], 1e-4);
+}
+
+TEST(NormTest, LayerNormAndRmsNorm) {
+  const int rows = 3, dim = 37;
+  const std::vector<float> x = Random(rows * dim, 5), w = Random(dim, 6), b = Random(dim, 7);
+  std::vector<float> ln(rows * dim), rms(rows * dim);
+  cpu::LayerNorm(x.data(), rows, dim, w.data(), b.data(), 1e-5f, ln.data());
+  cpu::RmsNorm(x.data(), rows, dim, w.data(), 1e-6f, rms.data());
+  for (int r = 0; r < rows; ++r) {
+    double mean = 0, var = 0, ss = 0;
+    for (int i = 0; i < dim; ++i) mean += x[r * dim + i];
+    mean /= dim;
+    for (int i = 0; i < dim; ++i) {
+      var += (x[r * dim + i] - mean) * (x[r * dim + i] - mean);
+      ss += x[r * dim + i] * x[r * dim + i];
+    }
+    var /= dim;
+    for (int i = 0; i < dim; ++i) {
+      EXPECT_NEAR(ln[r * dim + i], (x[r * dim + i] - mean) / std::sqrt(var + 1e-5) * w[i] + b[i], 1e-5);
+      EXPECT_NEAR(rms[r * dim + i], x[r * dim + i] / std::sqrt(ss / dim + 1e-6) * w[i], 1e-5);
+    }
+  }
+}
+
+TEST(ActivationTest, Definitions) {
+  const std::vector<float> x = {-3.0f, -0.5f, 0.0f, 0.7f, 2.5f};
+  for (float v : x) {
+    float r = v, g = v, t = v, s = v;
+    cpu::Activate(cpu::Activation::kRelu, &r, 1);
+    cpu::Activate(cpu::Activation::kGelu, &g, 1);
+    cpu::Activate(cpu::Activation::kGeluTanh, &t, 1);
+    cpu::Activate(cpu::Activation::kSilu, &s, 1);
+    EXPECT_EQ(r, v > 0 ? v : 0.0f);
+    EXPECT_NEAR(g, 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))), 1e-6);
+    EXPECT_NEAR(t, 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v))), 1e-6);
+    EXPECT_NEAR(s, v / (1 + std::exp(-v)), 1e-6);
+  }
+}
+
+TEST(SoftmaxTest, MaskedEntriesGetZero) {
+  std::vector<float> row = {1.0f, -INFINITY, 2.0f, -INFINITY};
+  cpu::SoftmaxRows(row.data(), 1, 4, 4);
+  EXPECT_EQ(row[1], 0.0f);
+  EXPECT_EQ(row[3], 0.0f);
+  EXPECT_NEAR(row[0], 1 / (1 + std::exp(1.0)), 1e-7);
+  EXPECT_NEAR(row[0] + row[2], 1.0, 1e-7);
+}
+
+}  // namespace
+}  // namespace relgen
