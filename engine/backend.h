@@ -9,22 +9,17 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "engine/kv_cache.h"
 
 namespace relgen {
 
-// Per-sequence key/value storage of a backend. Contents are only meaningful to that backend.
-class KvCache {
- public:
-  virtual ~KvCache() = default;
-  virtual int capacity() const = 0;  // tokens
-};
-
-// New tokens of one sequence for one forward call. Their positions are start_pos.. in the cache;
-// positions 0..start_pos-1 must already be in `cache` from earlier calls.
+// New tokens of one sequence for one forward call, at positions start_pos.. of the sequence.
+// `block_table` lists the pool blocks holding positions 0.. (enough for start_pos + tokens);
+// positions 0..start_pos-1 must already be there from earlier calls.
 struct SequenceStep {
   absl::Span<const int32_t> tokens;
   int start_pos = 0;
-  KvCache* cache = nullptr;
+  absl::Span<const int32_t> block_table;
   bool all_logits = false;  // logits for every new token, else for the last one only
 };
 
@@ -32,8 +27,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual absl::string_view name() const = 0;
-  virtual absl::StatusOr<std::unique_ptr<KvCache>> NewCache(int capacity_tokens) = 0;
-  // Runs the decoder over every step's tokens (one batch), appends their K/V to the caches and
+  // The paged KV pool the backend allocated at creation.
+  virtual const KvCacheConfig& kv_cache() const = 0;
+  // Runs the decoder over every step's tokens (one batch), writes their K/V into the pool and
   // writes logits [rows, vocab_size] to `logits`, rows in step order (all tokens or last only).
   // A prompt, a chunk of a prompt and a single decode token are all steps.
   virtual absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) = 0;

@@ -14,42 +14,10 @@
 namespace relgen {
 namespace {
 
-// Contiguous cache: per layer [n_heads, capacity, head_dim], i.e. one block of `capacity` tokens.
-class CpuKvCache final : public KvCache {
- public:
-  CpuKvCache(const ModelConfig& c, int capacity)
-      : capacity_(capacity),
-        n_heads_(c.n_heads),
-        head_dim_(c.head_dim),
-        per_layer_(static_cast<int64_t>(c.n_heads) * capacity * c.head_dim),
-        k_(per_layer_ * c.n_layers),
-        v_(per_layer_ * c.n_layers) {}
-
-  int capacity() const override { return capacity_; }
-
-  cpu::KvView View(int layer) {
-    cpu::KvView view;
-    view.k = k_.data() + layer * per_layer_;
-    view.v = v_.data() + layer * per_layer_;
-    view.block_table = &kBlockZero;
-    view.block_size = capacity_;
-    view.n_heads = n_heads_;
-    view.head_dim = head_dim_;
-    return view;
-  }
-
- private:
-  static constexpr int32_t kBlockZero = 0;
-  int capacity_, n_heads_, head_dim_;
-  int64_t per_layer_;
-  std::vector<float> k_, v_;
-};
-
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(std::shared_ptr<const Model> model)
-      : model_(std::move(model)),
-        pool_(std::max(1u, std::thread::hardware_concurrency())) {
+  CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads)
+      : model_(std::move(model)), kv_(kv), pool_(threads) {
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
     dims_.n_heads = c.n_heads;
@@ -86,19 +54,15 @@ class CpuBackend final : public Backend {
       rel_.push_back(r);
     }
     lm_head_ = cpu::PackedMatrix(model_->lm_head(), c.vocab_size, d);
+    // Per layer: K and V pools [num_blocks, n_heads, block_size, head_dim].
+    layer_floats_ = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim;
+    k_pool_.resize(layer_floats_ * c.n_layers);
+    v_pool_.resize(layer_floats_ * c.n_layers);
   }
 
   absl::string_view name() const override { return "cpu"; }
 
-  absl::StatusOr<std::unique_ptr<KvCache>> NewCache(int capacity_tokens) override {
-    const int max_len = model_->config().max_seq_len;
-    if (capacity_tokens < 1 || capacity_tokens > max_len) {
-      return absl::InvalidArgumentError(absl::StrCat("cache capacity ", capacity_tokens,
-                                                     " tokens; allowed 1..", max_len,
-                                                     " (the model's max_seq_len)"));
-    }
-    return std::make_unique<CpuKvCache>(model_->config(), capacity_tokens);
-  }
+  const KvCacheConfig& kv_cache() const override { return kv_; }
 
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
 
@@ -119,7 +83,22 @@ class CpuBackend final : public Backend {
     cpu::LinearPacked(x, rows, w, bias, y, &pool_);
   }
 
+  cpu::KvView View(int layer, absl::Span<const int32_t> table) {
+    const ModelConfig& c = model_->config();
+    cpu::KvView view;
+    view.k = k_pool_.data() + layer * layer_floats_;
+    view.v = v_pool_.data() + layer * layer_floats_;
+    view.block_table = table.data();
+    view.block_size = kv_.block_size;
+    view.n_heads = c.n_heads;
+    view.head_dim = c.head_dim;
+    return view;
+  }
+
   std::shared_ptr<const Model> model_;
+  KvCacheConfig kv_;
+  int64_t layer_floats_ = 0;
+  std::vector<float> k_pool_, v_pool_;
   cpu::ThreadPool pool_;
   std::vector<PackedLayer> packed_;
   cpu::PackedMatrix lm_head_;
@@ -136,12 +115,16 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
   for (const SequenceStep& s : steps) {
     const int n = static_cast<int>(s.tokens.size());
     if (n == 0) return absl::InvalidArgumentError("a sequence step has no tokens");
-    auto* cache = dynamic_cast<CpuKvCache*>(s.cache);
-    if (cache == nullptr) return absl::InvalidArgumentError("step without a CPU KV cache");
-    if (s.start_pos < 0 || s.start_pos + n > cache->capacity()) {
+    const int64_t capacity = int64_t{kv_.block_size} * static_cast<int64_t>(s.block_table.size());
+    if (s.start_pos < 0 || s.start_pos + n > capacity || s.start_pos + n > c.max_seq_len) {
       return absl::OutOfRangeError(absl::StrCat("positions ", s.start_pos, "..", s.start_pos + n - 1,
-                                                " exceed the cache capacity of ",
-                                                cache->capacity(), " tokens"));
+                                                " exceed the sequence's ", capacity,
+                                                " cached tokens or max_seq_len ", c.max_seq_len));
+    }
+    for (int32_t b : s.block_table) {
+      if (b < 0 || b >= kv_.num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("KV block ", b, " outside the pool of ", kv_.num_blocks));
+      }
     }
     for (int32_t t : s.tokens) {
       if (t < 0 || t >= c.vocab_size) {
@@ -189,7 +172,7 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
     int row = 0;
     for (const SequenceStep& s : steps) {
       const int n = static_cast<int>(s.tokens.size());
-      const cpu::KvView view = static_cast<CpuKvCache*>(s.cache)->View(l);
+      const cpu::KvView view = View(l, s.block_table);
       const int64_t off = int64_t{row} * w;
       cpu::WriteKv(view, k + off, v + off, s.start_pos, n);
       if (n == 1) {
@@ -242,9 +225,19 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model) {
+int64_t CpuKvBytesPerToken(const ModelConfig& c) {
+  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * static_cast<int64_t>(sizeof(float));
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
+                                                       KvCacheConfig kv, int threads) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
-  return std::make_unique<CpuBackend>(std::move(model));
+  if (kv.block_size < 1 || kv.num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache of ", kv.num_blocks, " blocks of ",
+                                                   kv.block_size, " tokens; both must be >= 1"));
+  }
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::make_unique<CpuBackend>(std::move(model), kv, threads);
 }
 
 }  // namespace relgen

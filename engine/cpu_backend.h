@@ -9,6 +9,11 @@
 
 namespace relgen {
 
-absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model);
+// Bytes of KV pool per token (every layer's K and V, float32).
+int64_t CpuKvBytesPerToken(const ModelConfig& config);
+
+// Allocates the KV pool of `kv` (num_blocks >= 1). `threads` 0 uses every hardware thread.
+absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
+                                                       KvCacheConfig kv, int threads = 0);
 
 }  // namespace relgen

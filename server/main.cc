@@ -71,13 +71,13 @@ class GenerationServiceImpl final : public v1::GenerationService::Service {
     std::mt19937_64 rng(req->has_seed() ? req->seed() : std::random_device{}());
 
     std::lock_guard<std::mutex> lock(mu_);
-    auto cache = backend_->NewCache(static_cast<int>(prompt.size()) + max_new);
-    if (!cache.ok()) return Status(StatusCode::INTERNAL, std::string(cache.status().message()));
+    std::vector<int32_t> table(backend_->kv_cache().num_blocks);
+    for (size_t b = 0; b < table.size(); ++b) table[b] = static_cast<int32_t>(b);
     std::vector<float> logits;
     std::vector<int32_t> out;
     SequenceStep step;
     step.tokens = prompt;
-    step.cache = cache->get();
+    step.block_table = table;
     auto finish = v1::FINISH_REASON_LENGTH;
     int32_t next = 0;
     for (int i = 0; i < max_new; ++i) {
@@ -155,7 +155,9 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "relgen-server: cannot load model: %s\n", std::string(model.status().message()).c_str());
     return 1;
   }
-  auto backend = NewCpuBackend(*model);
+  // One request at a time: a pool for one whole sequence.
+  const int block = 16;
+  auto backend = NewCpuBackend(*model, KvCacheConfig{block, BlocksForTokens((*model)->config().max_seq_len, block)});
   if (!backend.ok()) {
     std::fprintf(stderr, "relgen-server: %s\n", std::string(backend.status().message()).c_str());
     return 1;

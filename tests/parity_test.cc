@@ -16,6 +16,8 @@ namespace relgen {
 namespace {
 
 constexpr double kRtol = 1e-4;  // float32 engine vs float64 reference
+constexpr int kBlockSize = 16;
+constexpr int kBlocks = 64;
 
 std::vector<std::string> Cases() {
   const std::string dir = testing::GoldenDir();
@@ -33,7 +35,7 @@ class ParityTest : public ::testing::TestWithParam<std::string> {
     auto model = Model::Load(dir);
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = *model;
-    auto backend = NewCpuBackend(model_);
+    auto backend = NewCpuBackend(model_, KvCacheConfig{kBlockSize, kBlocks});
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
     auto golden = SafetensorsFile::Open(dir + "/golden.safetensors");
@@ -56,27 +58,44 @@ class ParityTest : public ::testing::TestWithParam<std::string> {
     return out;
   }
 
+  // Grows `table` to cover `tokens` positions, taking every other free block so that a sequence's
+  // blocks are scattered through the pool.
+  void Grow(std::vector<int32_t>* table, int tokens) {
+    const int need = BlocksForTokens(tokens, kBlockSize) - static_cast<int>(table->size());
+    for (int i = 0; i < need; ++i) {
+      std::vector<int32_t> spare;
+      ASSERT_TRUE(allocator_.Allocate(1, &spare));
+      ASSERT_TRUE(allocator_.Allocate(1, table));
+      spares_.insert(spares_.end(), spare.begin(), spare.end());
+    }
+  }
+
   // Feeds `tokens` in chunks of the given sizes (cycled), collecting every token's logits.
   std::vector<float> Run(const std::vector<int32_t>& tokens, const std::vector<int>& chunks) {
-    auto cache = backend_->NewCache(static_cast<int>(tokens.size()));
-    EXPECT_TRUE(cache.ok()) << cache.status();
+    std::vector<int32_t> table;
     std::vector<float> all, part;
     size_t pos = 0;
     for (size_t c = 0; pos < tokens.size(); ++c) {
       const size_t n = std::min<size_t>(chunks[c % chunks.size()], tokens.size() - pos);
+      Grow(&table, static_cast<int>(pos + n));
       SequenceStep step;
       step.tokens = absl::MakeConstSpan(tokens).subspan(pos, n);
       step.start_pos = static_cast<int>(pos);
-      step.cache = cache->get();
+      step.block_table = table;
       step.all_logits = true;
       const absl::Status s = backend_->Forward({&step, 1}, &part);
       EXPECT_TRUE(s.ok()) << s;
       all.insert(all.end(), part.begin(), part.end());
       pos += n;
     }
+    allocator_.Free(&table);
+    allocator_.Free(&spares_);
+    EXPECT_EQ(allocator_.num_free(), kBlocks);
     return all;
   }
 
+  BlockAllocator allocator_{kBlocks};
+  std::vector<int32_t> spares_;
   std::shared_ptr<const Model> model_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<SafetensorsFile> golden_;
@@ -116,12 +135,8 @@ TEST_P(ParityTest, IrregularChunksMatchReference) {
 TEST_P(ParityTest, MixedBatchMatchesReference) {
   const int vocab = model_->config().vocab_size;
   const std::vector<int> lens = {129, 64, 17};
-  std::vector<std::vector<int32_t>> toks;
-  std::vector<std::unique_ptr<KvCache>> caches;
-  for (int len : lens) {
-    toks.push_back(Tokens(len));
-    caches.push_back(*backend_->NewCache(len));
-  }
+  std::vector<std::vector<int32_t>> toks, tables(lens.size());
+  for (int len : lens) toks.push_back(Tokens(len));
   // Sequence 0 is prefilled in two halves; 1 and 2 decode one token per step meanwhile.
   std::vector<std::vector<float>> got(lens.size());
   std::vector<int> pos(lens.size(), 0);
@@ -135,7 +150,8 @@ TEST_P(ParityTest, MixedBatchMatchesReference) {
       SequenceStep st;
       st.tokens = absl::MakeConstSpan(toks[s]).subspan(pos[s], n);
       st.start_pos = pos[s];
-      st.cache = caches[s].get();
+      Grow(&tables[s], pos[s] + n);
+      st.block_table = tables[s];
       st.all_logits = true;
       steps.push_back(st);
       which.push_back(static_cast<int>(s));

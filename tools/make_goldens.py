@@ -66,6 +66,30 @@ CASES = {
 }
 
 
+# Small models with a 512-token context for the engine tests (no golden logits needed).
+ENGINE_MODELS = {
+    "skew": {"scheme": "skew", "max_relative_position": 64, "scale_with_qk": True},
+    "skew_local": {"scheme": "skew_local", "block_length": 32, "max_relative_position": 64, "scale_with_qk": True},
+    "shaw": {"scheme": "shaw", "clip": 16, "relative_values": True, "scale_with_qk": True},
+    "t5": {"scheme": "t5", "num_buckets": 32, "max_distance": 128, "scale_with_qk": False},
+    "alibi": {"scheme": "alibi", "scale_with_qk": False},
+    "none": {"scheme": "none"},
+}
+
+
+def make_engine_model(out_dir, name, rel, seed):
+    cfg = copy.deepcopy(BASE)
+    cfg.update({"name": f"engine-{name}", "max_seq_len": 512, "vocab_size": 259,
+                "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258,
+                "relative_attention": rel})
+    tensors = relgen_ref.random_tensors(cfg, torch.Generator().manual_seed(seed))
+    d = os.path.join(out_dir, name)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    safetensors_io.save(os.path.join(d, "model.safetensors"), {k: v.float().numpy() for k, v in tensors.items()})
+
+
 def make_case(out_dir, name, overrides, rel, dtype, seed):
     cfg = copy.deepcopy(BASE)
     cfg.update(overrides)
@@ -107,8 +131,10 @@ def main():
         checked = make_case(args.out, name, overrides, rel, dtype, seed=1000 + n)
         extra = f" (skew == naive R checked {checked}x)" if checked else ""
         print(f"[{n + 1}/{len(names)}] {name}: {dtype}{extra}", flush=True)
+    for n, (name, rel) in enumerate(ENGINE_MODELS.items()):
+        make_engine_model(os.path.join(args.out, "engine"), name, rel, seed=2000 + n)
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
-        json.dump({"lengths": LENGTHS, "cases": names}, f, indent=2)
+        json.dump({"lengths": LENGTHS, "cases": names, "engine_models": list(ENGINE_MODELS)}, f, indent=2)
     print(f"wrote {len(names)} cases to {args.out} in {time.time() - t0:.1f}s")
 
 

@@ -1,0 +1,409 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace relgen {
+
+absl::string_view FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kEos: return "eos";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kDeadline: return "deadline";
+    case FinishReason::kError: return "error";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------- RequestHandle
+
+void RequestHandle::Deliver(Output&& delta) {
+  std::function<void()> listener;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return;
+    Output& p = pending_;
+    p.token_ids.insert(p.token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
+    p.text += delta.text;
+    for (SampleResult& r : delta.logprobs) p.logprobs.push_back(std::move(r));
+    if (delta.finished) {
+      p.finished = true;
+      p.finish_reason = delta.finish_reason;
+      p.status = delta.status;
+      p.prompt_tokens = delta.prompt_tokens;
+      p.generated_tokens = delta.generated_tokens;
+      p.timing = delta.timing;
+      closed_ = true;
+    }
+    has_pending_ = true;
+    listener = listener_;
+  }
+  if (listener) listener();
+}
+
+bool RequestHandle::Next(Output* out, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  if (drained_) return false;
+  if (!mu_.AwaitWithTimeout(absl::Condition(this, &RequestHandle::Readable), timeout)) return false;
+  *out = std::move(pending_);
+  pending_ = Output();
+  has_pending_ = false;
+  if (out->finished) drained_ = true;
+  return true;
+}
+
+void RequestHandle::Cancel() {
+  cancel_.store(true, std::memory_order_release);
+  std::function<void()> listener;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return;
+    // Unread output is dropped: nothing reaches the reader after Cancel.
+    pending_ = Output();
+    pending_.finished = true;
+    pending_.finish_reason = FinishReason::kCancelled;
+    has_pending_ = true;
+    closed_ = true;
+    listener = listener_;
+  }
+  if (listener) listener();
+}
+
+void RequestHandle::SetListener(std::function<void()> listener) {
+  bool readable;
+  {
+    absl::MutexLock lock(&mu_);
+    listener_ = std::move(listener);
+    readable = has_pending_;
+  }
+  if (readable && listener_) listener_();
+}
+
+// ---------------------------------------------------------------- Engine
+
+struct Engine::Seq {
+  int64_t id = 0;
+  std::shared_ptr<RequestHandle> handle;
+  Request req;
+  std::vector<int32_t> tokens;  // prompt, then generated
+  int num_computed = 0;         // tokens whose K/V are in `blocks`
+  std::vector<int32_t> blocks;
+  int generated = 0;
+  std::unique_ptr<StreamDecoder> detok;
+  std::string held;  // decoded text held back while it may begin a stop string
+  bool done = false;
+  absl::Time submitted, scheduled = absl::InfinitePast(), first_token = absl::InfinitePast();
+};
+
+Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend,
+               std::shared_ptr<const Tokenizer> tokenizer, EngineConfig config)
+    : model_(std::move(model)),
+      backend_(std::move(backend)),
+      tokenizer_(std::move(tokenizer)),
+      config_(config),
+      allocator_(backend_->kv_cache().num_blocks) {
+  config_.scheduler.block_size = backend_->kv_cache().block_size;
+  stats_.kv_blocks_total = allocator_.num_blocks();
+  if (config_.background_thread) thread_ = std::thread([this] { Loop(); });
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
+                                                       std::unique_ptr<Backend> backend,
+                                                       std::shared_ptr<const Tokenizer> tokenizer,
+                                                       EngineConfig config) {
+  if (model == nullptr || backend == nullptr || tokenizer == nullptr) {
+    return absl::InvalidArgumentError("engine needs a model, a backend and a tokenizer");
+  }
+  if (config.scheduler.max_num_seqs < 1 || config.scheduler.max_batch_tokens < 1 || config.max_waiting < 1) {
+    return absl::InvalidArgumentError("max_num_seqs, max_batch_tokens and max_waiting must be >= 1");
+  }
+  return std::unique_ptr<Engine>(
+      new Engine(std::move(model), std::move(backend), std::move(tokenizer), config));
+}
+
+Engine::~Engine() { Shutdown(); }
+
+void Engine::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    stop_ = true;
+    cv_.Signal();
+  }
+  if (thread_.joinable()) {
+    thread_.join();
+  } else {
+    Loop();  // no thread: finish what is outstanding here
+  }
+}
+
+absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
+  const ModelConfig& c = model_->config();
+  const int n = static_cast<int>(r.prompt.size());
+  if (n == 0) return absl::InvalidArgumentError("prompt is empty");
+  for (int32_t t : r.prompt) {
+    if (t < 0 || t >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
+    }
+  }
+  for (int32_t t : r.stop.stop_token_ids) {
+    if (t < 0 || t >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("stop token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
+    }
+  }
+  if (r.stop.max_new_tokens < 1 || n + r.stop.max_new_tokens > c.max_seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, " with a prompt of ", n,
+                                                   " tokens; allowed 1..", std::max(0, c.max_seq_len - n),
+                                                   " (max_seq_len ", c.max_seq_len, ")"));
+  }
+  const SamplingParams& p = r.sampling;
+  if (!(p.temperature >= 0.0f) || !(p.top_p > 0.0f && p.top_p <= 1.0f) || p.top_k < 0 ||
+      !(p.repetition_penalty > 0.0f)) {
+    return absl::InvalidArgumentError("sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0)");
+  }
+  const int need = BlocksForTokens(n + r.stop.max_new_tokens, config_.scheduler.block_size);
+  if (need > allocator_.num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt + max_new_tokens = ", n + r.stop.max_new_tokens,
+                                                   " tokens can never fit the KV cache of ",
+                                                   int64_t{allocator_.num_blocks()} * config_.scheduler.block_size, " tokens"));
+  }
+  auto s = std::make_unique<Seq>();
+  s->handle = std::make_shared<RequestHandle>();
+  s->handle->id_ = r.id;
+  s->tokens = r.prompt;
+  s->req = std::move(r);
+  s->detok = tokenizer_->NewStream();
+  s->submitted = absl::Now();
+  std::shared_ptr<RequestHandle> handle = s->handle;
+  absl::MutexLock lock(&mu_);
+  if (stop_) return absl::UnavailableError("the engine is shut down");
+  if (queued_ >= config_.max_waiting) {
+    return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", config_.max_waiting, " requests waiting)"));
+  }
+  s->id = next_seq_id_++;
+  ++queued_;
+  inbox_.push_back(std::move(s));
+  cv_.Signal();
+  return handle;
+}
+
+EngineStats Engine::Stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+void Engine::TakeInbox() {
+  absl::MutexLock lock(&mu_);
+  while (!inbox_.empty()) {
+    waiting_.push_back(std::move(inbox_.front()));
+    inbox_.pop_front();
+  }
+}
+
+void Engine::RunOnce() {
+  if (config_.background_thread) std::abort();  // the engine thread owns the loop
+  TakeInbox();
+  Step();
+}
+
+void Engine::Loop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      while (!stop_ && inbox_.empty() && running_.empty() && waiting_.empty()) cv_.Wait(&mu_);
+      if (stop_) break;
+    }
+    TakeInbox();
+    Step();
+  }
+  // Shut down: nothing outstanding survives.
+  std::deque<std::unique_ptr<Seq>> inbox;
+  {
+    absl::MutexLock lock(&mu_);
+    inbox.swap(inbox_);
+  }
+  for (auto* q : {&inbox, &waiting_}) {
+    for (auto& s : *q) Finish(*s, FinishReason::kCancelled, absl::UnavailableError("the engine shut down"));
+    q->clear();
+  }
+  for (auto& s : running_) Finish(*s, FinishReason::kCancelled, absl::UnavailableError("the engine shut down"));
+  running_.clear();
+}
+
+void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
+  if (s.done) return;
+  s.done = true;
+  allocator_.Free(&s.blocks);
+  Output o;
+  o.finished = true;
+  o.finish_reason = reason;
+  o.status = std::move(status);
+  o.prompt_tokens = static_cast<int>(s.req.prompt.size());
+  o.generated_tokens = s.generated;
+  const absl::Time now = absl::Now();
+  o.timing.queue = (s.scheduled == absl::InfinitePast() ? now : s.scheduled) - s.submitted;
+  o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;
+  o.timing.total = now - s.submitted;
+  s.handle->Deliver(std::move(o));
+  absl::MutexLock lock(&mu_);
+  ++stats_.finished;
+}
+
+void Engine::EmitToken(Seq& s, const SampleResult& r) {
+  s.tokens.push_back(r.token);
+  ++s.generated;
+  if (s.generated == 1) s.first_token = absl::Now();
+  Output o;
+  o.token_ids.push_back(r.token);
+  if (s.req.sampling.logprobs >= 0) o.logprobs.push_back(r);
+  s.held += s.detok->Push(r.token);
+
+  FinishReason reason = FinishReason::kNone;
+  const std::vector<std::string>& stops = s.req.stop.stop_strings;
+  size_t cut = std::string::npos;  // earliest stop string in the held text
+  for (const std::string& stop : stops) cut = std::min(cut, s.held.find(stop));
+  if (cut != std::string::npos) {
+    o.text = s.held.substr(0, cut);
+    s.held.clear();
+    reason = FinishReason::kStop;
+  } else {
+    if (r.token == model_->config().eos_token_id && !s.req.stop.ignore_eos) {
+      reason = FinishReason::kEos;
+    } else if (std::find(s.req.stop.stop_token_ids.begin(), s.req.stop.stop_token_ids.end(), r.token) !=
+               s.req.stop.stop_token_ids.end()) {
+      reason = FinishReason::kStop;
+    } else if (s.generated >= s.req.stop.max_new_tokens) {
+      reason = FinishReason::kLength;
+    }
+    if (reason != FinishReason::kNone) {
+      o.text = s.held + s.detok->Finish();
+      s.held.clear();
+    } else {
+      // Hold back the longest tail that could still grow into a stop string.
+      size_t keep = 0;
+      for (const std::string& stop : stops) {
+        for (size_t k = std::min(stop.size() - 1, s.held.size()); k > keep; --k) {
+          if (s.held.compare(s.held.size() - k, k, stop, 0, k) == 0) {
+            keep = k;
+            break;
+          }
+        }
+      }
+      o.text = s.held.substr(0, s.held.size() - keep);
+      s.held.erase(0, s.held.size() - keep);
+    }
+  }
+  s.handle->Deliver(std::move(o));
+  if (reason != FinishReason::kNone) Finish(s, reason);
+}
+
+void Engine::Step() {
+  const absl::Time now = absl::Now();
+  // Cancelled and expired requests leave first; their blocks are free for this step.
+  auto reap = [&](Seq& s) {
+    if (s.handle->cancel_requested()) {
+      Finish(s, FinishReason::kCancelled);
+    } else if (now >= s.req.deadline) {
+      Finish(s, FinishReason::kDeadline, absl::DeadlineExceededError("deadline passed"));
+    }
+    return s.done;
+  };
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [&](auto& s) { return reap(*s); }),
+                 running_.end());
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), [&](auto& s) { return reap(*s); }),
+                 waiting_.end());
+
+  std::vector<SchedSeq> run, wait;
+  for (const auto& s : running_) {
+    run.push_back({s->id, static_cast<int>(s->tokens.size()), s->num_computed, static_cast<int>(s->blocks.size())});
+  }
+  for (const auto& s : waiting_) {
+    wait.push_back({s->id, static_cast<int>(s->tokens.size()), s->num_computed, static_cast<int>(s->blocks.size())});
+  }
+  const Schedule plan = ComputeSchedule(run, wait, allocator_.num_free(), config_.scheduler);
+
+  // Preempted sequences (newest first) go back to the front of the queue, oldest first, and will
+  // recompute their prompt and output so far.
+  for (int64_t id : plan.preempted) {
+    std::unique_ptr<Seq> s = std::move(running_.back());
+    running_.pop_back();
+    if (s->id != id) std::abort();  // the scheduler preempts from the newest end
+    allocator_.Free(&s->blocks);
+    s->num_computed = 0;
+    waiting_.push_front(std::move(s));
+  }
+  std::vector<Seq*> batch;
+  for (const ScheduledChunk& c : plan.chunks) {
+    if (c.admitted) {
+      std::unique_ptr<Seq> s = std::move(waiting_.front());
+      waiting_.pop_front();
+      if (s->id != c.id) std::abort();  // admission is first-come first-served
+      if (s->scheduled == absl::InfinitePast()) s->scheduled = now;
+      running_.push_back(std::move(s));
+      batch.push_back(running_.back().get());
+    } else {
+      for (auto& s : running_) {
+        if (s->id == c.id) batch.push_back(s.get());
+      }
+    }
+    if (!allocator_.Allocate(c.new_blocks, &batch.back()->blocks)) std::abort();  // planned
+  }
+
+  std::vector<SequenceStep> steps;
+  int step_tokens = 0, prefill_tokens = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Seq& s = *batch[i];
+    const int n = plan.chunks[i].num_tokens;
+    SequenceStep st;
+    st.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, n);
+    st.start_pos = s.num_computed;
+    st.block_table = s.blocks;
+    steps.push_back(st);
+    step_tokens += n;
+    if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) prefill_tokens += n;
+  }
+  int64_t generated = 0;
+  if (!steps.empty()) {
+    const absl::Status st = backend_->Forward(steps, &logits_);
+    const int vocab = model_->config().vocab_size;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Seq& s = *batch[i];
+      if (!st.ok()) {
+        std::fprintf(stderr, "relgen: forward failed: %s\n", std::string(st.message()).c_str());
+        Finish(s, FinishReason::kError, st);
+        continue;
+      }
+      s.num_computed += plan.chunks[i].num_tokens;
+      if (s.num_computed < static_cast<int>(s.tokens.size())) continue;  // prompt not done yet
+      const SampleResult r = Sample(absl::MakeConstSpan(logits_).subspan(i * vocab, vocab), s.req.sampling,
+                                    s.tokens, s.generated, &sample_scratch_);
+      EmitToken(s, r);
+      ++generated;
+    }
+  }
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done; }),
+                 running_.end());
+
+  absl::MutexLock lock(&mu_);
+  queued_ = static_cast<int>(inbox_.size() + waiting_.size());
+  stats_.num_running = static_cast<int>(running_.size());
+  stats_.num_waiting = queued_;
+  stats_.kv_blocks_used = allocator_.num_used();
+  if (!steps.empty()) {
+    ++stats_.steps;
+    stats_.last_step_seqs = static_cast<int>(steps.size());
+    stats_.last_step_tokens = step_tokens;
+  }
+  stats_.prompt_tokens += prefill_tokens;
+  stats_.generation_tokens += generated;
+  stats_.preemptions += static_cast<int64_t>(plan.preempted.size());
+}
+
+}  // namespace relgen

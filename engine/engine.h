@@ -1,0 +1,168 @@
+// The engine: one thread owns the model, the backend and the KV pool, and runs a continuous-
+// batching loop. Callers Submit() requests from any thread and read each request's output from
+// its handle. A request gets exactly the tokens it would get alone, whatever else shares the
+// batch, because every computation on its rows is batch-invariant and sampling is keyed by
+// (seed, token index).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine/backend.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "engine/tokenizer.h"
+
+namespace relgen {
+
+enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled, kDeadline, kError };
+absl::string_view FinishReasonName(FinishReason r);  // "length", "stop", ...
+
+struct StopCriteria {
+  int max_new_tokens = 128;
+  std::vector<int32_t> stop_token_ids;  // finish after one of these (it is part of the output ids)
+  std::vector<std::string> stop_strings;  // finish before one of these would appear in the text
+  bool ignore_eos = false;
+};
+
+struct Request {
+  std::string id;
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  StopCriteria stop;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct RequestTiming {
+  absl::Duration queue;              // submit -> first scheduled
+  absl::Duration time_to_first_token;
+  absl::Duration total;
+};
+
+// Output of a request since the previous read (chunks merge while unread, so memory is bounded
+// by the request's own output). The last one has `finished` set.
+struct Output {
+  std::vector<int32_t> token_ids;
+  std::string text;
+  std::vector<SampleResult> logprobs;  // one per token when the request asked for logprobs
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  absl::Status status;  // why, for kError
+  int prompt_tokens = 0;
+  int generated_tokens = 0;
+  RequestTiming timing;
+};
+
+class RequestHandle {
+ public:
+  const std::string& id() const { return id_; }
+  // Waits up to `timeout` for output. False on timeout and once the final output was read.
+  bool Next(Output* out, absl::Duration timeout = absl::InfiniteDuration());
+  // Stops the request: nothing more is delivered but the final output (kCancelled); the engine
+  // frees its KV blocks at its next step. Idempotent; a finished request stays as it finished.
+  void Cancel();
+  // Called (from the engine thread, without locks held) whenever output becomes readable.
+  void SetListener(std::function<void()> listener);
+
+ private:
+  friend class Engine;
+  void Deliver(Output&& delta);  // merges; ignored after the final output
+  bool cancel_requested() const { return cancel_.load(std::memory_order_acquire); }
+  bool Readable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return has_pending_; }
+
+  std::string id_;
+  std::atomic<bool> cancel_{false};
+  absl::Mutex mu_;
+  Output pending_ ABSL_GUARDED_BY(mu_);
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;    // final output delivered to the handle
+  bool drained_ ABSL_GUARDED_BY(mu_) = false;   // final output read
+  std::function<void()> listener_ ABSL_GUARDED_BY(mu_);
+};
+
+struct EngineConfig {
+  SchedulerConfig scheduler;
+  int max_waiting = 1024;  // Submit fails with RESOURCE_EXHAUSTED beyond this
+  // false: no engine thread; the owner drives the loop with RunOnce() (deterministic tests, tools).
+  bool background_thread = true;
+};
+
+struct EngineStats {
+  int num_running = 0;
+  int num_waiting = 0;
+  int kv_blocks_total = 0;
+  int kv_blocks_used = 0;
+  int64_t steps = 0;
+  int last_step_seqs = 0;
+  int last_step_tokens = 0;
+  int64_t prompt_tokens = 0;      // prompt tokens computed (recomputation included)
+  int64_t generation_tokens = 0;  // tokens generated and delivered
+  int64_t preemptions = 0;
+  int64_t finished = 0;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<const Model> model,
+                                                        std::unique_ptr<Backend> backend,
+                                                        std::shared_ptr<const Tokenizer> tokenizer,
+                                                        EngineConfig config);
+  ~Engine();  // Shutdown()
+
+  // Validates and queues a request. INVALID_ARGUMENT names what is wrong; RESOURCE_EXHAUSTED when
+  // the queue is full; UNAVAILABLE after Shutdown.
+  absl::StatusOr<std::shared_ptr<RequestHandle>> Submit(Request request);
+  EngineStats Stats() const;
+  // One iteration of the engine loop on the caller's thread: takes submitted requests, reaps
+  // cancelled and expired ones, runs one batched step. Only without the background thread.
+  void RunOnce();
+  // Finishes every outstanding request (kCancelled) and stops the engine thread.
+  void Shutdown();
+
+  const Model& model() const { return *model_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const EngineConfig& config() const { return config_; }
+
+ private:
+  struct Seq;
+  Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend,
+         std::shared_ptr<const Tokenizer> tokenizer, EngineConfig config);
+  void Loop();
+  void TakeInbox();
+  void Step();
+  void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus());
+  void EmitToken(Seq& s, const SampleResult& r);
+
+  std::shared_ptr<const Model> model_;
+  std::unique_ptr<Backend> backend_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  EngineConfig config_;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<Seq>> inbox_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::CondVar cv_;
+  int queued_ ABSL_GUARDED_BY(mu_) = 0;  // inbox + waiting
+  EngineStats stats_ ABSL_GUARDED_BY(mu_);
+
+  // Engine thread only.
+  BlockAllocator allocator_;
+  std::deque<std::unique_ptr<Seq>> waiting_;
+  std::vector<std::unique_ptr<Seq>> running_;  // admission order
+  int64_t next_seq_id_ = 0;
+  std::vector<float> logits_, sample_scratch_;
+  std::thread thread_;
+};
+
+}  // namespace relgen

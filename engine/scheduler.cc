@@ -1,0 +1,49 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "engine/kv_cache.h"
+
+namespace relgen {
+
+Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const SchedSeq> waiting,
+                         int free_blocks, const SchedulerConfig& config) {
+  Schedule out;
+  int budget = config.max_batch_tokens;
+  int free = free_blocks;
+  int last = static_cast<int>(running.size()) - 1;  // newest running sequence not yet preempted
+  for (int i = 0; i <= last && budget > 0; ++i) {
+    const SchedSeq& s = running[i];
+    const int chunk = std::min(s.num_tokens - s.num_computed, budget);
+    const int need = BlocksForTokens(s.num_computed + chunk, config.block_size) - s.num_blocks;
+    while (need > free && last > i) {
+      out.preempted.push_back(running[last].id);
+      free += running[last].num_blocks;
+      --last;
+    }
+    if (need > free) {  // even alone it cannot grow: it yields its own blocks
+      out.preempted.push_back(s.id);
+      --last;
+      break;
+    }
+    free -= std::max(need, 0);
+    budget -= chunk;
+    out.chunks.push_back({s.id, chunk, std::max(need, 0), false});
+  }
+  if (!out.preempted.empty()) return out;
+
+  int num_running = static_cast<int>(running.size());
+  for (const SchedSeq& w : waiting) {
+    if (budget <= 0 || num_running >= config.max_num_seqs) break;
+    const int chunk = std::min(w.num_tokens - w.num_computed, budget);
+    const int need = BlocksForTokens(w.num_computed + chunk, config.block_size) - w.num_blocks;
+    if (need > free) break;
+    free -= need;
+    budget -= chunk;
+    ++num_running;
+    out.chunks.push_back({w.id, chunk, need, true});
+  }
+  return out;
+}
+
+}  // namespace relgen

@@ -1,0 +1,49 @@
+// The scheduling decision of one engine step, as a pure function of the sequences' sizes and the
+// free KV blocks, so it can be tested on its own.
+//
+// Policy: running sequences first, oldest admission first, each taking its next chunk (the rest of
+// its prompt up to the step's token budget, or one decode token). When the KV pool cannot hold a
+// sequence's next chunk, the most recently admitted running sequence is preempted (its blocks are
+// freed; the engine recomputes it later) until it fits, possibly the sequence itself. Waiting
+// sequences are then admitted strictly first-come first-served while the budget, the running-seq
+// limit and the free blocks allow (the head of the queue is never overtaken), and not at all in a
+// step that had to preempt.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+
+namespace relgen {
+
+struct SchedulerConfig {
+  int max_num_seqs = 64;        // running sequences at once
+  int max_batch_tokens = 512;   // tokens computed per step (prompt chunks + decode tokens)
+  int block_size = 16;
+};
+
+struct SchedSeq {
+  int64_t id = 0;
+  int num_tokens = 0;    // tokens that must be in the cache before the next sample
+  int num_computed = 0;  // tokens already in the cache
+  int num_blocks = 0;    // blocks held
+};
+
+struct ScheduledChunk {
+  int64_t id = 0;
+  int num_tokens = 0;  // tokens to compute this step, from num_computed on
+  int new_blocks = 0;  // blocks to allocate first
+  bool admitted = false;  // taken from the waiting queue this step
+};
+
+struct Schedule {
+  std::vector<ScheduledChunk> chunks;  // running (in order), then admitted
+  std::vector<int64_t> preempted;      // most recently admitted first
+};
+
+// `running` in admission order (oldest first), `waiting` in arrival order.
+Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const SchedSeq> waiting,
+                         int free_blocks, const SchedulerConfig& config);
+
+}  // namespace relgen

@@ -1,0 +1,189 @@
+#include "engine/tokenizer.h"
+
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "engine/sentencepiece_wrapper.h"
+
+namespace relgen {
+namespace {
+
+constexpr char kReplacement[] = "\xEF\xBF\xBD";  // U+FFFD
+
+bool ValidUtf8(absl::string_view s) {
+  Utf8Assembler a;
+  std::string out;
+  for (char c : s) out += a.Push(static_cast<uint8_t>(c));
+  out += a.Finish();
+  return out == s;
+}
+
+std::string Escaped(absl::string_view s) {
+  if (ValidUtf8(s)) return std::string(s);
+  std::string out;
+  for (char c : s) {
+    const auto b = static_cast<uint8_t>(c);
+    out += b < 0x80 ? std::string(1, c) : absl::StrFormat("\\x%02X", b);
+  }
+  return out;
+}
+
+class ByteStream final : public StreamDecoder {
+ public:
+  std::string Push(int32_t id) override {
+    return id >= 0 && id < 256 ? utf8_.Push(static_cast<uint8_t>(id)) : std::string();
+  }
+  std::string Finish() override { return utf8_.Finish(); }
+
+ private:
+  Utf8Assembler utf8_;
+};
+
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> Encode(absl::string_view text) const override {
+    std::vector<int32_t> ids;
+    ids.reserve(text.size());
+    for (char c : text) ids.push_back(static_cast<uint8_t>(c));
+    return ids;
+  }
+  std::unique_ptr<StreamDecoder> NewStream() const override { return std::make_unique<ByteStream>(); }
+  std::string TokenText(int32_t id) const override {
+    if (id >= 0 && id < 256) return Escaped(std::string(1, static_cast<char>(id)));
+    return absl::StrCat("<", id, ">");
+  }
+};
+
+// Streams SentencePiece text by decoding a short window of recent ids and emitting what it adds
+// once it no longer ends in an incomplete character (decoding a window keeps spacing right).
+class SentencePieceStream final : public StreamDecoder {
+ public:
+  explicit SentencePieceStream(const SentencePieceModel* sp) : sp_(sp) {}
+
+  std::string Push(int32_t id) override {
+    ids_.push_back(id);
+    const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
+    const std::string text = DecodeRange(prefix_offset_, ids_.size());
+    if (text.size() <= prefix.size() || absl::EndsWith(text, kReplacement)) return "";
+    prefix_offset_ = read_offset_;
+    read_offset_ = ids_.size();
+    return text.substr(prefix.size());
+  }
+  std::string Finish() override {
+    const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
+    const std::string text = DecodeRange(prefix_offset_, ids_.size());
+    prefix_offset_ = read_offset_ = ids_.size();
+    return text.size() > prefix.size() ? text.substr(prefix.size()) : "";
+  }
+
+ private:
+  std::string DecodeRange(size_t begin, size_t end) const {
+    return sp_->Decode(std::vector<int>(ids_.begin() + begin, ids_.begin() + end));
+  }
+
+  const SentencePieceModel* sp_;
+  std::vector<int> ids_;
+  size_t prefix_offset_ = 0, read_offset_ = 0;
+};
+
+class SentencePieceTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> Encode(absl::string_view text) const override {
+    const std::vector<int> ids = sp_->Encode(std::string(text));
+    return std::vector<int32_t>(ids.begin(), ids.end());
+  }
+  std::unique_ptr<StreamDecoder> NewStream() const override {
+    return std::make_unique<SentencePieceStream>(sp_.get());
+  }
+  std::string TokenText(int32_t id) const override {
+    if (id < 0 || id >= sp_->size()) return absl::StrCat("<", id, ">");
+    return Escaped(sp_->Piece(id));
+  }
+
+  std::unique_ptr<SentencePieceModel> sp_;
+};
+
+}  // namespace
+
+std::string Utf8Assembler::Push(uint8_t b) {
+  std::string out;
+  if (need_ > 0) {
+    if (b >= lo_ && b <= hi_) {
+      pending_.push_back(static_cast<char>(b));
+      lo_ = 0x80;
+      hi_ = 0xBF;
+      if (--need_ == 0) out.swap(pending_);
+      return out;
+    }
+    // The sequence so far is a maximal invalid subpart; the byte starts afresh.
+    out = kReplacement;
+    pending_.clear();
+    need_ = 0;
+  }
+  lo_ = 0x80;
+  hi_ = 0xBF;
+  if (b < 0x80) {
+    out.push_back(static_cast<char>(b));
+    return out;
+  }
+  if (b >= 0xC2 && b <= 0xDF) {
+    need_ = 1;
+  } else if (b >= 0xE0 && b <= 0xEF) {
+    need_ = 2;
+    if (b == 0xE0) lo_ = 0xA0;  // no overlong forms
+    if (b == 0xED) hi_ = 0x9F;  // no surrogates
+  } else if (b >= 0xF0 && b <= 0xF4) {
+    need_ = 3;
+    if (b == 0xF0) lo_ = 0x90;
+    if (b == 0xF4) hi_ = 0x8F;  // nothing above U+10FFFF
+  } else {
+    return out + kReplacement;  // 0x80..0xC1, 0xF5..0xFF never start a character
+  }
+  pending_.push_back(static_cast<char>(b));
+  return out;
+}
+
+std::string Utf8Assembler::Finish() {
+  if (need_ == 0) return "";
+  pending_.clear();
+  need_ = 0;
+  lo_ = 0x80;
+  hi_ = 0xBF;
+  return kReplacement;
+}
+
+std::string Tokenizer::Decode(absl::Span<const int32_t> ids) const {
+  std::unique_ptr<StreamDecoder> s = NewStream();
+  std::string out;
+  for (int32_t id : ids) out += s->Push(id);
+  return out + s->Finish();
+}
+
+std::unique_ptr<Tokenizer> NewByteTokenizer() { return std::make_unique<ByteTokenizer>(); }
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::string& path,
+                                                                     int vocab_size) {
+  auto t = std::make_unique<SentencePieceTokenizer>();
+  std::string error;
+  t->sp_ = SentencePieceModel::Load(path, &error);
+  if (t->sp_ == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot load SentencePiece model ", path, ": ", error));
+  }
+  if (t->sp_->size() > vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("SentencePiece model ", path, " has ",
+                                                   t->sp_->size(),
+                                                   " pieces, more than the config's vocab_size ",
+                                                   vocab_size));
+  }
+  return std::unique_ptr<Tokenizer>(std::move(t));
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> NewTokenizer(const ModelConfig& config,
+                                                        const std::string& model_dir) {
+  if (config.tokenizer == TokenizerKind::kByte) return NewByteTokenizer();
+  return NewSentencePieceTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size);
+}
+
+}  // namespace relgen

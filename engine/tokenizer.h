@@ -1,0 +1,59 @@
+// Tokenizers: byte-level (ids 0..255 are the bytes; ids above are special and decode to nothing)
+// and SentencePiece. Decoding never splits a UTF-8 character: a stream holds bytes back until the
+// character is complete, and replaces invalid or truncated sequences by U+FFFD (one per maximal
+// invalid subpart, as the Unicode standard recommends).
+// Thread-safety: a Tokenizer is immutable and shareable; a StreamDecoder belongs to one sequence.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "engine/config.h"
+
+namespace relgen {
+
+class StreamDecoder {
+ public:
+  virtual ~StreamDecoder() = default;
+  // Adds one generated token; returns the text it completes (possibly empty).
+  virtual std::string Push(int32_t id) = 0;
+  // Ends the stream; returns what was held back (U+FFFD for an incomplete character).
+  virtual std::string Finish() = 0;
+};
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::vector<int32_t> Encode(absl::string_view text) const = 0;
+  virtual std::unique_ptr<StreamDecoder> NewStream() const = 0;
+  // Text of a whole id sequence: the concatenation of a stream's outputs.
+  std::string Decode(absl::Span<const int32_t> ids) const;
+  // A display string for one token (logprob alternatives), invalid UTF-8 escaped as \xNN.
+  virtual std::string TokenText(int32_t id) const = 0;
+};
+
+std::unique_ptr<Tokenizer> NewByteTokenizer();
+absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::string& path,
+                                                                     int vocab_size);
+// The tokenizer a model's config names (files relative to `model_dir`).
+absl::StatusOr<std::unique_ptr<Tokenizer>> NewTokenizer(const ModelConfig& config,
+                                                        const std::string& model_dir);
+
+// Incremental UTF-8 validation: bytes in, complete characters (or U+FFFD) out.
+class Utf8Assembler {
+ public:
+  std::string Push(uint8_t byte);
+  std::string Finish();
+
+ private:
+  std::string pending_;
+  int need_ = 0;  // continuation bytes still expected
+  uint8_t lo_ = 0x80, hi_ = 0xBF;  // allowed range of the next continuation byte
+};
+
+}  // namespace relgen

@@ -1,0 +1,315 @@
+// The engine against itself run one request at a time: continuous batching, chunked prefill,
+// preemption with recompute and cancellation must not change any request's output, and must
+// return every KV block.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/cpu_backend.h"
+#include "engine/engine.h"
+#include "tests/test_util.h"
+
+namespace relgen {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct EngineSetup {
+  int num_blocks = 1024;
+  int max_batch_tokens = 96;
+  int max_num_seqs = 16;
+  bool background = true;
+};
+
+std::unique_ptr<Engine> MakeEngine(const std::string& scheme, const EngineSetup& s) {
+  auto model = Model::Load(testing::GoldenDir() + "/engine/" + scheme);
+  EXPECT_TRUE(model.ok()) << model.status();
+  auto backend = NewCpuBackend(*model, KvCacheConfig{16, s.num_blocks}, 2);
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  EngineConfig config;
+  config.scheduler.max_batch_tokens = s.max_batch_tokens;
+  config.scheduler.max_num_seqs = s.max_num_seqs;
+  config.background_thread = s.background;
+  auto engine = Engine::Create(*model, *std::move(backend), NewByteTokenizer(), config);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return *std::move(engine);
+}
+
+// 32 requests: prompts of 1..300 tokens, 1..40 new tokens, half greedy and half sampled.
+std::vector<Request> Workload() {
+  std::vector<Request> out;
+  for (int i = 0; i < 32; ++i) {
+    Request r;
+    r.id = "r" + std::to_string(i);
+    const int len = i == 0 ? 1 : i == 31 ? 300 : 1 + (i * 137) % 300;
+    std::mt19937 rng(i);
+    for (int t = 0; t < len; ++t) r.prompt.push_back(static_cast<int32_t>(rng() % 256));
+    r.stop.max_new_tokens = 1 + (i * 7) % 40;
+    if (i % 2 == 1) {
+      r.sampling.temperature = 0.9f;
+      r.sampling.seed = 1000 + i;
+      r.sampling.top_k = i % 3 == 0 ? 20 : 0;
+      r.sampling.top_p = i % 4 == 1 ? 0.9f : 1.0f;
+      r.sampling.repetition_penalty = i % 5 == 2 ? 1.3f : 1.0f;
+    } else {
+      r.sampling.temperature = 0.0f;
+    }
+    if (i % 8 == 3) r.sampling.logprobs = 2;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+struct Result {
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason reason = FinishReason::kNone;
+  std::vector<float> logprobs;
+};
+
+Result Drain(RequestHandle& h) {
+  Result r;
+  Output o;
+  while (h.Next(&o)) {
+    r.tokens.insert(r.tokens.end(), o.token_ids.begin(), o.token_ids.end());
+    r.text += o.text;
+    for (const auto& lp : o.logprobs) r.logprobs.push_back(lp.logprob);
+    if (o.finished) r.reason = o.finish_reason;
+  }
+  return r;
+}
+
+std::vector<Result> RunAlone(const std::string& scheme, const std::vector<Request>& work) {
+  auto engine = MakeEngine(scheme, EngineSetup{});
+  std::vector<Result> out;
+  for (const Request& r : work) {
+    auto h = engine->Submit(r);
+    EXPECT_TRUE(h.ok()) << h.status();
+    out.push_back(Drain(**h));
+  }
+  return out;
+}
+
+// Submits with small random gaps while the engine runs, then reads everything.
+std::vector<Result> RunTogether(Engine& engine, const std::vector<Request>& work) {
+  std::mt19937 rng(42);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (const Request& r : work) {
+    auto h = engine.Submit(r);
+    EXPECT_TRUE(h.ok()) << h.status();
+    handles.push_back(*h);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000));
+  }
+  std::vector<Result> out;
+  for (auto& h : handles) out.push_back(Drain(*h));
+  return out;
+}
+
+void ExpectSame(const std::vector<Result>& got, const std::vector<Result>& alone) {
+  ASSERT_EQ(got.size(), alone.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, alone[i].tokens) << "request " << i;
+    EXPECT_EQ(got[i].text, alone[i].text) << "request " << i;
+    EXPECT_EQ(got[i].reason, alone[i].reason) << "request " << i;
+    EXPECT_EQ(got[i].logprobs, alone[i].logprobs) << "request " << i;
+  }
+}
+
+class EngineSchemeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EngineSchemeTest, BatchedOutputsEqualAloneOutputs) {
+  const std::vector<Request> work = Workload();
+  const std::vector<Result> alone = RunAlone(GetParam(), work);
+  const int64_t alone_steps = [&] {
+    int64_t steps = 0;
+    for (const Result& r : alone) steps += static_cast<int64_t>(r.tokens.size());
+    return steps;
+  }();
+  auto engine = MakeEngine(GetParam(), EngineSetup{});
+  const std::vector<Result> together = RunTogether(*engine, work);
+  ExpectSame(together, alone);
+  const EngineStats st = engine->Stats();
+  EXPECT_EQ(st.kv_blocks_used, 0);
+  EXPECT_EQ(st.finished, 32);
+  EXPECT_LT(st.steps, alone_steps) << "no batching happened";
+  int greedy_tokens = 0;
+  for (size_t i = 0; i < alone.size(); i += 2) greedy_tokens += static_cast<int>(alone[i].tokens.size());
+  EXPECT_GT(greedy_tokens, 100);
+}
+
+TEST_P(EngineSchemeTest, PreemptionKeepsOutputsAndReturnsEveryBlock) {
+  const std::vector<Request> work = Workload();
+  const std::vector<Result> alone = RunAlone(GetParam(), work);
+  // 40 blocks = 640 tokens for a load of ~5000: the longest request alone needs 22 blocks.
+  EngineSetup small;
+  small.num_blocks = 40;
+  auto engine = MakeEngine(GetParam(), small);
+  const std::vector<Result> together = RunTogether(*engine, work);
+  ExpectSame(together, alone);
+  const EngineStats st = engine->Stats();
+  EXPECT_GT(st.preemptions, 0);
+  EXPECT_EQ(st.kv_blocks_used, 0);
+  EXPECT_EQ(st.kv_blocks_total, 40);
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, EngineSchemeTest,
+                         ::testing::Values("skew", "skew_local", "shaw", "t5", "alibi", "none"));
+
+// ---- cancellation, with the loop driven step by step
+
+Request Prompt(int len, int max_new) {
+  Request r;
+  for (int i = 0; i < len; ++i) r.prompt.push_back(i % 200 + 32);
+  r.stop.max_new_tokens = max_new;
+  r.sampling.temperature = 0.0f;
+  r.stop.ignore_eos = true;
+  return r;
+}
+
+class CancelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    EngineSetup s;
+    s.background = false;
+    s.max_batch_tokens = 16;
+    s.max_num_seqs = 1;
+    engine_ = MakeEngine("skew", s);
+  }
+  std::unique_ptr<Engine> engine_;
+};
+
+TEST_F(CancelTest, BeforeAdmission) {
+  auto a = *engine_->Submit(Prompt(10, 30));
+  auto b = *engine_->Submit(Prompt(10, 30));
+  engine_->RunOnce();  // a admitted; b waits (one running sequence at most)
+  EXPECT_EQ(engine_->Stats().num_waiting, 1);
+  b->Cancel();
+  engine_->RunOnce();
+  EXPECT_EQ(engine_->Stats().num_waiting, 0);
+  EXPECT_EQ(engine_->Stats().kv_blocks_used, 1);  // a's 11 tokens
+  Output o;
+  ASSERT_TRUE(b->Next(&o, absl::ZeroDuration()));
+  EXPECT_TRUE(o.finished);
+  EXPECT_EQ(o.finish_reason, FinishReason::kCancelled);
+  EXPECT_TRUE(o.token_ids.empty());
+  EXPECT_FALSE(b->Next(&o, absl::ZeroDuration()));
+}
+
+TEST_F(CancelTest, DuringPrefill) {
+  auto a = *engine_->Submit(Prompt(300, 10));
+  for (int i = 0; i < 3; ++i) engine_->RunOnce();  // 48 of 300 prompt tokens
+  EXPECT_EQ(engine_->Stats().kv_blocks_used, 3);
+  a->Cancel();
+  engine_->RunOnce();
+  EXPECT_EQ(engine_->Stats().kv_blocks_used, 0);
+  EXPECT_EQ(engine_->Stats().num_running, 0);
+  Output o;
+  ASSERT_TRUE(a->Next(&o, absl::ZeroDuration()));
+  EXPECT_EQ(o.finish_reason, FinishReason::kCancelled);
+  EXPECT_TRUE(o.token_ids.empty());
+}
+
+TEST_F(CancelTest, MidDecodeDropsUnreadOutput) {
+  auto a = *engine_->Submit(Prompt(5, 50));
+  for (int i = 0; i < 6; ++i) engine_->RunOnce();  // prefill, then 6 tokens generated
+  Output o;
+  ASSERT_TRUE(a->Next(&o, absl::ZeroDuration()));
+  EXPECT_EQ(o.token_ids.size(), 6u);
+  engine_->RunOnce();  // a 7th token, not read yet
+  a->Cancel();
+  engine_->RunOnce();
+  EXPECT_EQ(engine_->Stats().kv_blocks_used, 0);
+  ASSERT_TRUE(a->Next(&o, absl::ZeroDuration()));
+  EXPECT_EQ(o.finish_reason, FinishReason::kCancelled);
+  EXPECT_TRUE(o.token_ids.empty()) << "output after cancel";
+  EXPECT_FALSE(a->Next(&o, absl::ZeroDuration()));
+}
+
+TEST(EngineCancelTest, RandomMomentsWhileRunning) {
+  auto engine = MakeEngine("t5", EngineSetup{});
+  std::mt19937 rng(3);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < 24; ++i) handles.push_back(*engine->Submit(Prompt(1 + rng() % 250, 1 + rng() % 60)));
+  int cancelled = 0;
+  for (auto& h : handles) {
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 4000));
+    if (rng() % 3 != 0) {
+      h->Cancel();
+      ++cancelled;
+      Output o;
+      // After Cancel, at most the final output arrives, and it carries no tokens unless the
+      // request had already finished on its own.
+      while (h->Next(&o)) {
+        if (o.finish_reason == FinishReason::kCancelled) EXPECT_TRUE(o.token_ids.empty());
+      }
+    } else {
+      Drain(*h);
+    }
+  }
+  for (int i = 0; i < 500 && engine->Stats().finished < 24; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(engine->Stats().finished, 24);
+  EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
+  EXPECT_GT(cancelled, 0);
+}
+
+// ---- submission checks
+
+TEST(EngineSubmitTest, RefusesWhatCanNeverRun) {
+  EngineSetup s;
+  s.num_blocks = 8;  // 128 tokens
+  auto engine = MakeEngine("none", s);
+  Request big = Prompt(100, 40);
+  EXPECT_THAT(engine->Submit(big).status().message(), HasSubstr("can never fit the KV cache of 128 tokens"));
+  EXPECT_THAT(engine->Submit(Prompt(0, 4)).status().message(), HasSubstr("prompt is empty"));
+  Request bad = Prompt(4, 4);
+  bad.prompt[2] = 259;
+  EXPECT_THAT(engine->Submit(bad).status().message(), HasSubstr("token id 259 out of range; allowed 0..258"));
+  EXPECT_THAT(engine->Submit(Prompt(500, 20)).status().message(), HasSubstr("allowed 1..12 (max_seq_len 512)"));
+  EXPECT_TRUE(engine->Submit(Prompt(100, 28)).ok());
+}
+
+TEST(EngineSubmitTest, QueueFullAndShutdown) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/none");
+  EngineConfig config;
+  config.max_waiting = 2;
+  config.background_thread = false;
+  auto engine = *Engine::Create(model, *NewCpuBackend(model, KvCacheConfig{16, 64}, 1), NewByteTokenizer(), config);
+  auto a = *engine->Submit(Prompt(4, 4));
+  ASSERT_TRUE(engine->Submit(Prompt(4, 4)).ok());
+  EXPECT_EQ(engine->Submit(Prompt(4, 4)).status().code(), absl::StatusCode::kResourceExhausted);
+  engine->Shutdown();
+  EXPECT_EQ(engine->Submit(Prompt(4, 4)).status().code(), absl::StatusCode::kUnavailable);
+  Output o;
+  ASSERT_TRUE(a->Next(&o, absl::ZeroDuration()));
+  EXPECT_EQ(o.finish_reason, FinishReason::kCancelled);
+  EXPECT_EQ(o.status.code(), absl::StatusCode::kUnavailable);
+}
+
+// ---- stops
+
+TEST(EngineStopTest, StopStringIsNotLeakedAndStopTokenEnds) {
+  auto engine = MakeEngine("skew", EngineSetup{});
+  Request r = Prompt(30, 60);
+  const Result free_run = Drain(**engine->Submit(r));
+  ASSERT_GE(free_run.text.size(), 20u);
+  // A stop string taken from the middle of the free run's text.
+  const std::string stop = free_run.text.substr(10, 3);
+  r.stop.stop_strings = {"\xff\xfe never", stop};
+  const Result stopped = Drain(**engine->Submit(r));
+  EXPECT_EQ(stopped.reason, FinishReason::kStop);
+  EXPECT_EQ(stopped.text, free_run.text.substr(0, free_run.text.find(stop)));
+  // A stop token: generation ends right after its first occurrence.
+  Request t = Prompt(30, 60);
+  t.stop.stop_token_ids = {free_run.tokens[7]};
+  const Result tok = Drain(**engine->Submit(t));
+  const size_t first = std::find(free_run.tokens.begin(), free_run.tokens.end(), free_run.tokens[7]) - free_run.tokens.begin();
+  EXPECT_EQ(tok.reason, FinishReason::kStop);
+  EXPECT_EQ(tok.tokens, std::vector<int32_t>(free_run.tokens.begin(), free_run.tokens.begin() + first + 1));
+}
+
+}  // namespace
+}  // namespace relgen

@@ -1,0 +1,101 @@
+// The scheduling decision, hand-derived cases (block size 4 throughout).
+#include <gtest/gtest.h>
+
+#include "engine/scheduler.h"
+
+namespace relgen {
+namespace {
+
+SchedulerConfig Config(int budget = 100, int max_seqs = 8) {
+  SchedulerConfig c;
+  c.block_size = 4;
+  c.max_batch_tokens = budget;
+  c.max_num_seqs = max_seqs;
+  return c;
+}
+
+SchedSeq Waiting(int64_t id, int tokens) { return {id, tokens, 0, 0}; }
+// Decoding: all but the newest token are cached.
+SchedSeq Decoding(int64_t id, int tokens) { return {id, tokens, tokens - 1, (tokens - 1 + 3) / 4}; }
+
+TEST(SchedulerTest, AdmitsFirstComeFirstServed) {
+  const SchedSeq w[] = {Waiting(1, 10), Waiting(2, 5), Waiting(3, 7)};
+  const Schedule s = ComputeSchedule({}, w, 100, Config());
+  ASSERT_EQ(s.chunks.size(), 3u);
+  EXPECT_EQ(s.chunks[0].id, 1);
+  EXPECT_EQ(s.chunks[0].num_tokens, 10);
+  EXPECT_EQ(s.chunks[0].new_blocks, 3);
+  EXPECT_TRUE(s.chunks[0].admitted);
+  EXPECT_EQ(s.chunks[1].id, 2);
+  EXPECT_EQ(s.chunks[2].id, 3);
+  EXPECT_TRUE(s.preempted.empty());
+}
+
+TEST(SchedulerTest, HeadOfQueueIsNeverOvertaken) {
+  // The head needs 3 blocks, only 2 are free: the small request behind it waits too.
+  const SchedSeq w[] = {Waiting(1, 10), Waiting(2, 2)};
+  const Schedule s = ComputeSchedule({}, w, 2, Config());
+  EXPECT_TRUE(s.chunks.empty());
+}
+
+TEST(SchedulerTest, TokenBudgetChunksPrompts) {
+  const SchedSeq r[] = {Decoding(1, 9)};
+  const SchedSeq w[] = {Waiting(2, 300), Waiting(3, 4)};
+  const Schedule s = ComputeSchedule(r, w, 1000, Config(64));
+  ASSERT_EQ(s.chunks.size(), 2u);
+  EXPECT_EQ(s.chunks[0].id, 1);
+  EXPECT_EQ(s.chunks[0].num_tokens, 1);  // decode first
+  EXPECT_EQ(s.chunks[0].new_blocks, 1);  // position 8 opens block 3
+  EXPECT_EQ(s.chunks[1].id, 2);
+  EXPECT_EQ(s.chunks[1].num_tokens, 63);  // the rest of the budget
+  EXPECT_EQ(s.chunks[1].new_blocks, 16);
+  // Next step: the partial prompt continues before anyone new is admitted.
+  const SchedSeq r2[] = {Decoding(1, 10), {2, 300, 63, 16}};
+  const Schedule s2 = ComputeSchedule(r2, {w + 1, 1}, 1000, Config(64));
+  ASSERT_EQ(s2.chunks.size(), 2u);
+  EXPECT_EQ(s2.chunks[1].id, 2);
+  EXPECT_EQ(s2.chunks[1].num_tokens, 63);
+}
+
+TEST(SchedulerTest, RunningSequenceLimit) {
+  const SchedSeq r[] = {Decoding(1, 5), Decoding(2, 5)};
+  const SchedSeq w[] = {Waiting(3, 4)};
+  const Schedule s = ComputeSchedule(r, w, 100, Config(100, 2));
+  ASSERT_EQ(s.chunks.size(), 2u);
+  for (const auto& c : s.chunks) EXPECT_FALSE(c.admitted);
+}
+
+TEST(SchedulerTest, PreemptsTheMostRecentlyAdmitted) {
+  // Each needs one new block (position 8); none are free. The newest (3) gives its 2 blocks,
+  // enough for 1 and 2. Nobody is admitted in a step that preempted.
+  const SchedSeq r[] = {Decoding(1, 9), Decoding(2, 9), Decoding(3, 9)};
+  const SchedSeq w[] = {Waiting(4, 1)};
+  const Schedule s = ComputeSchedule(r, w, 0, Config());
+  ASSERT_EQ(s.preempted, std::vector<int64_t>{3});
+  ASSERT_EQ(s.chunks.size(), 2u);
+  EXPECT_EQ(s.chunks[0].id, 1);
+  EXPECT_EQ(s.chunks[1].id, 2);
+}
+
+TEST(SchedulerTest, PreemptsSeveralAndFinallyItself) {
+  // 1 needs 2 new blocks (prompt chunk); 2 and 3 hold one block each.
+  const SchedSeq r[] = {{1, 16, 8, 2}, {2, 4, 3, 1}, {3, 4, 3, 1}};
+  Schedule s = ComputeSchedule(r, {}, 0, Config());
+  EXPECT_EQ(s.preempted, (std::vector<int64_t>{3, 2}));
+  ASSERT_EQ(s.chunks.size(), 1u);
+  EXPECT_EQ(s.chunks[0].new_blocks, 2);
+  // Alone and still short of blocks: it yields its own.
+  const SchedSeq alone[] = {{1, 16, 8, 2}};
+  s = ComputeSchedule(alone, {}, 1, Config());
+  EXPECT_EQ(s.preempted, std::vector<int64_t>{1});
+  EXPECT_TRUE(s.chunks.empty());
+}
+
+TEST(SchedulerTest, RequestLargerThanTheWholeCacheIsNeverAdmitted) {
+  // 65 tokens need 17 blocks; the pool has 16. (The engine refuses it at submit.)
+  const SchedSeq w[] = {Waiting(1, 65)};
+  EXPECT_TRUE(ComputeSchedule({}, w, 16, Config(1000)).chunks.empty());
+}
+
+}  // namespace
+}  // namespace relgen
