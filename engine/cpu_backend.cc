@@ -169,19 +169,29 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
     Linear(in, total, packed_[l].q, lw.bq, q);
     Linear(in, total, packed_[l].k, lw.bk, k);
     Linear(in, total, packed_[l].v, lw.bv, v);
-    int row = 0;
-    for (const SequenceStep& s : steps) {
-      const int n = static_cast<int>(s.tokens.size());
-      const cpu::KvView view = View(l, s.block_table);
-      const int64_t off = int64_t{row} * w;
-      cpu::WriteKv(view, k + off, v + off, s.start_pos, n);
-      if (n == 1) {
-        cpu::AttentionDecode(dims_, rel_[l], view, q + off, s.start_pos, att + off);
-      } else {
-        cpu::AttentionPrefill(dims_, rel_[l], view, q + off, s.start_pos, n, att + off);
-      }
-      row += n;
+    // K/V of every new token first, then attention, one (sequence, head) per work item.
+    std::vector<int> rows(steps.size());
+    for (size_t i = 0, row = 0; i < steps.size(); row += steps[i].tokens.size(), ++i) {
+      rows[i] = static_cast<int>(row);
+      const int64_t off = int64_t{rows[i]} * w;
+      cpu::WriteKv(View(l, steps[i].block_table), k + off, v + off, steps[i].start_pos,
+                   static_cast<int>(steps[i].tokens.size()));
     }
+    const int heads = c.n_heads;
+    pool_.ParallelFor(static_cast<int>(steps.size()) * heads, [&](int begin, int end) {
+      for (int item = begin; item < end; ++item) {
+        const SequenceStep& s = steps[item / heads];
+        const int h = item % heads;
+        const int n = static_cast<int>(s.tokens.size());
+        const int64_t off = int64_t{rows[item / heads]} * w;
+        const cpu::KvView view = View(l, s.block_table);
+        if (n == 1) {
+          cpu::AttentionDecode(dims_, rel_[l], view, q + off, s.start_pos, att + off, h, h + 1);
+        } else {
+          cpu::AttentionPrefill(dims_, rel_[l], view, q + off, s.start_pos, n, att + off, h, h + 1);
+        }
+      }
+    });
     Linear(att, total, packed_[l].o, lw.bo, tmp);
     cpu::AddInPlace(x, tmp, int64_t{total} * d);
     if (!pre) Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, x);

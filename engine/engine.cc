@@ -241,6 +241,12 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   if (s.done) return;
   s.done = true;
   allocator_.Free(&s.blocks);
+  {
+    // Books first, so nothing a client has received is missing from them.
+    absl::MutexLock lock(&mu_);
+    ++stats_.finished;
+    stats_.kv_blocks_used = allocator_.num_used();
+  }
   Output o;
   o.finished = true;
   o.finish_reason = reason;
@@ -252,14 +258,16 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;
   o.timing.total = now - s.submitted;
   s.handle->Deliver(std::move(o));
-  absl::MutexLock lock(&mu_);
-  ++stats_.finished;
 }
 
 void Engine::EmitToken(Seq& s, const SampleResult& r) {
   s.tokens.push_back(r.token);
   ++s.generated;
   if (s.generated == 1) s.first_token = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.generation_tokens;
+  }
   Output o;
   o.token_ids.push_back(r.token);
   if (s.req.sampling.logprobs >= 0) o.logprobs.push_back(r);
@@ -369,7 +377,6 @@ void Engine::Step() {
     step_tokens += n;
     if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) prefill_tokens += n;
   }
-  int64_t generated = 0;
   if (!steps.empty()) {
     const absl::Status st = backend_->Forward(steps, &logits_);
     const int vocab = model_->config().vocab_size;
@@ -385,7 +392,6 @@ void Engine::Step() {
       const SampleResult r = Sample(absl::MakeConstSpan(logits_).subspan(i * vocab, vocab), s.req.sampling,
                                     s.tokens, s.generated, &sample_scratch_);
       EmitToken(s, r);
-      ++generated;
     }
   }
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done; }),
@@ -402,7 +408,6 @@ void Engine::Step() {
     stats_.last_step_tokens = step_tokens;
   }
   stats_.prompt_tokens += prefill_tokens;
-  stats_.generation_tokens += generated;
   stats_.preemptions += static_cast<int64_t>(plan.preempted.size());
 }
 

@@ -173,7 +173,8 @@ void WriteKv(const KvView& kv, const float* k, const float* v, int start, int n)
 }
 
 void AttentionPrefill(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
-                      const float* q, int start, int n, float* out) {
+                      const float* q, int start, int n, float* out, int head_begin, int head_end) {
+  if (head_end < 0) head_end = dims.n_heads;
   const int width = dims.n_heads * dims.head_dim;
   const bool local = rel.scheme == relpos::Scheme::kSkewLocal;
   for (int qs = start; qs < start + n;) {
@@ -182,7 +183,7 @@ void AttentionPrefill(const AttentionDims& dims, const RelativeParams& rel, cons
     if (local) qe = std::min(qe, (qs / rel.block_length + 1) * rel.block_length);
     const int ks = relpos::WindowStart(rel.scheme, qs, rel.block_length);
     const int64_t row = static_cast<int64_t>(qs - start) * width;
-    for (int h = 0; h < dims.n_heads; ++h) {
+    for (int h = head_begin; h < head_end; ++h) {
       AttendTile(dims, rel, kv, h, q + row + h * dims.head_dim, width, qs, qe, ks,
                  out + row + h * dims.head_dim, width);
     }
@@ -191,12 +192,13 @@ void AttentionPrefill(const AttentionDims& dims, const RelativeParams& rel, cons
 }
 
 void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
-                     const float* q, int pos, float* out) {
+                     const float* q, int pos, float* out, int head_begin, int head_end) {
+  if (head_end < 0) head_end = dims.n_heads;
   const int hd = dims.head_dim;
   const int ks = relpos::WindowStart(rel.scheme, pos, rel.block_length);
   const int lk = pos - ks + 1;
   Scratch& s = ThreadScratch();
-  for (int h = 0; h < dims.n_heads; ++h) {
+  for (int h = head_begin; h < head_end; ++h) {
     const float* qh = q + h * hd;
     const float* rel_by_key = nullptr;
     const float* shaw = nullptr;

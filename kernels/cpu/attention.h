@@ -63,12 +63,14 @@ void WriteKv(const KvView& kv, const float* k, const float* v, int start, int n)
 
 // Queries q [n, n_heads*head_dim] at positions start..start+n-1 (n >= 1, any start) attend to the
 // cache, which must already hold keys/values for positions 0..start+n-1. out [n, n_heads*head_dim].
+// Heads [head_begin, head_end) only (all by default), so callers can spread heads over threads.
 void AttentionPrefill(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
-                      const float* q, int start, int n, float* out);
+                      const float* q, int start, int n, float* out, int head_begin = 0,
+                      int head_end = -1);
 
 // One query q [n_heads*head_dim] at position pos; the cache holds positions 0..pos.
 void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
-                     const float* q, int pos, float* out);
+                     const float* q, int pos, float* out, int head_begin = 0, int head_end = -1);
 
 // Adds mult * S_rel to scores [lq, lk] (row stride lk) for lq queries whose last row sits at the
 // last of lk keys (query i at key index i + lk - lq), from a skew table e [m, hd] whose row r holds

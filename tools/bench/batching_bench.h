@@ -1,0 +1,10 @@
+// relgen-bench batching: decode throughput of N concurrent sequences vs the same work one at a time.
+#pragma once
+
+#include <string>
+
+namespace relgen::bench {
+
+int RunBatchingBench(const std::string& model_dir, int sequences, int prompt_len, int new_tokens, int threads);
+
+}  // namespace relgen::bench
