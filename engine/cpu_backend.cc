@@ -1,6 +1,7 @@
 #include "engine/cpu_backend.h"
 
 #include <algorithm>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -237,6 +238,36 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
 
 int64_t CpuKvBytesPerToken(const ModelConfig& c) {
   return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * static_cast<int64_t>(sizeof(float));
+}
+
+absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double memory_fraction,
+                                int block_size) {
+  const int64_t per_block = CpuKvBytesPerToken(c) * block_size;
+  if (block_size < 1) return absl::InvalidArgumentError("KV block size must be >= 1");
+  int64_t blocks;
+  if (tokens > 0) {
+    blocks = (tokens + block_size - 1) / block_size;
+  } else {
+    if (!(memory_fraction > 0.0 && memory_fraction <= 1.0)) {
+      return absl::InvalidArgumentError(absl::StrCat("KV memory fraction ", memory_fraction, "; allowed (0, 1]"));
+    }
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    int64_t kib = 0;
+    while (meminfo >> key >> kib) {
+      if (key == "MemAvailable:") break;
+      meminfo.ignore(256, '\n');
+    }
+    blocks = static_cast<int64_t>(memory_fraction * static_cast<double>(kib) * 1024.0) / per_block;
+  }
+  const int64_t need = (c.max_seq_len + block_size - 1) / block_size;
+  if (blocks < need) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a KV pool of ", blocks * block_size, " tokens cannot hold one sequence of max_seq_len ",
+        c.max_seq_len, " (", per_block / block_size, " bytes per token); give at least ",
+        need * block_size, " tokens"));
+  }
+  return static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,

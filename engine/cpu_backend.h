@@ -12,6 +12,11 @@ namespace relgen {
 // Bytes of KV pool per token (every layer's K and V, float32).
 int64_t CpuKvBytesPerToken(const ModelConfig& config);
 
+// Blocks for a KV pool of `tokens` tokens, or, when tokens is 0, of `memory_fraction` (0, 1] of the
+// memory available now (MemAvailable). Errors say what is too small and what would fit.
+absl::StatusOr<int> CpuKvBlocks(const ModelConfig& config, int64_t tokens, double memory_fraction,
+                                int block_size);
+
 // Allocates the KV pool of `kv` (num_blocks >= 1). `threads` 0 uses every hardware thread.
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
                                                        KvCacheConfig kv, int threads = 0);

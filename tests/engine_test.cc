@@ -289,6 +289,19 @@ TEST(EngineSubmitTest, QueueFullAndShutdown) {
   EXPECT_EQ(o.status.code(), absl::StatusCode::kUnavailable);
 }
 
+TEST(KvSizingTest, TokensOrMemoryFraction) {
+  const ModelConfig c = (*Model::Load(testing::GoldenDir() + "/engine/skew"))->config();
+  // 2 layers x 4 heads x 16 dims x K and V x 4 bytes = 1024 bytes per token.
+  EXPECT_EQ(CpuKvBytesPerToken(c), 1024);
+  EXPECT_EQ(*CpuKvBlocks(c, 1000, 0, 16), 63);
+  EXPECT_THAT(CpuKvBlocks(c, 100, 0, 16).status().message(),
+              HasSubstr("cannot hold one sequence of max_seq_len 512"));
+  const auto by_memory = CpuKvBlocks(c, 0, 0.01, 16);
+  ASSERT_TRUE(by_memory.ok()) << by_memory.status();
+  EXPECT_GT(*by_memory, 32);
+  EXPECT_THAT(CpuKvBlocks(c, 0, 1.5, 16).status().message(), HasSubstr("allowed (0, 1]"));
+}
+
 // ---- stops
 
 TEST(EngineStopTest, StopStringIsNotLeakedAndStopTokenEnds) {
