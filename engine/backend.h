@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include "absl/strings/string_view.h"
 #include <vector>
 
@@ -23,10 +24,20 @@ struct SequenceStep {
   bool all_logits = false;  // logits for every new token, else for the last one only
 };
 
+// Bytes a backend holds, by kind.
+struct BackendMemory {
+  int64_t weights = 0;
+  int64_t kv_cache = 0;
+  int64_t activations = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual absl::string_view name() const = 0;
+  // "cpu", or "cuda:N".
+  virtual std::string device() const = 0;
+  virtual BackendMemory memory() const = 0;
   // The paged KV pool the backend allocated at creation.
   virtual const KvCacheConfig& kv_cache() const = 0;
   // Runs the decoder over every step's tokens (one batch), writes their K/V into the pool and

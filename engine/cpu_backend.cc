@@ -64,6 +64,19 @@ class CpuBackend final : public Backend {
   absl::string_view name() const override { return "cpu"; }
 
   const KvCacheConfig& kv_cache() const override { return kv_; }
+  std::string device() const override { return "cpu"; }
+  BackendMemory memory() const override {
+    BackendMemory m;
+    m.weights = model_->float_bytes() + lm_head_.bytes();
+    for (const PackedLayer& p : packed_) {
+      for (const cpu::PackedMatrix* w : {&p.q, &p.k, &p.v, &p.o, &p.up, &p.gate, &p.down}) m.weights += w->bytes();
+    }
+    m.kv_cache = static_cast<int64_t>(k_pool_.size() + v_pool_.size()) * sizeof(float);
+    for (const std::vector<float>* v : {&x_, &h_, &q_, &k_, &v_, &att_, &tmp_, &up_, &gate_}) {
+      m.activations += static_cast<int64_t>(v->capacity()) * sizeof(float);
+    }
+    return m;
+  }
 
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
 

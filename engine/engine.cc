@@ -59,7 +59,9 @@ bool RequestHandle::Next(Output* out, absl::Duration timeout) {
   return true;
 }
 
-void RequestHandle::Cancel() {
+void RequestHandle::Cancel(FinishReason reason) {
+  if (reason != FinishReason::kDeadline) reason = FinishReason::kCancelled;
+  if (!cancel_.load(std::memory_order_acquire)) cancel_reason_.store(reason, std::memory_order_release);
   cancel_.store(true, std::memory_order_release);
   std::function<void()> listener;
   {
@@ -68,7 +70,8 @@ void RequestHandle::Cancel() {
     // Unread output is dropped: nothing reaches the reader after Cancel.
     pending_ = Output();
     pending_.finished = true;
-    pending_.finish_reason = FinishReason::kCancelled;
+    pending_.finish_reason = cancel_reason();
+    if (pending_.finish_reason == FinishReason::kDeadline) pending_.status = absl::DeadlineExceededError("deadline passed");
     has_pending_ = true;
     closed_ = true;
     listener = listener_;
@@ -100,6 +103,7 @@ struct Engine::Seq {
   std::string held;  // decoded text held back while it may begin a stop string
   bool done = false;
   absl::Time submitted, scheduled = absl::InfinitePast(), first_token = absl::InfinitePast();
+  absl::Time last_token = absl::InfinitePast();
 };
 
 Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend,
@@ -111,6 +115,8 @@ Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> back
       allocator_(backend_->kv_cache().num_blocks) {
   config_.scheduler.block_size = backend_->kv_cache().block_size;
   stats_.kv_blocks_total = allocator_.num_blocks();
+  stats_.device = backend_->device();
+  stats_.memory = backend_->memory();
   if (config_.background_thread) thread_ = std::thread([this] { Loop(); });
 }
 
@@ -257,13 +263,28 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   o.timing.queue = (s.scheduled == absl::InfinitePast() ? now : s.scheduled) - s.submitted;
   o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;
   o.timing.total = now - s.submitted;
+  if (config_.observer) {
+    RequestSummary sum;
+    sum.reason = reason;
+    sum.prompt_tokens = o.prompt_tokens;
+    sum.generated_tokens = o.generated_tokens;
+    sum.queue = o.timing.queue;
+    sum.time_to_first_token = o.timing.time_to_first_token;
+    sum.e2e = o.timing.total;
+    config_.observer->OnFinished(sum);
+  }
   s.handle->Deliver(std::move(o));
 }
 
 void Engine::EmitToken(Seq& s, const SampleResult& r) {
   s.tokens.push_back(r.token);
   ++s.generated;
-  if (s.generated == 1) s.first_token = absl::Now();
+  const absl::Time now = absl::Now();
+  if (s.generated == 1) s.first_token = now;
+  if (config_.observer) {
+    config_.observer->OnToken(s.generated == 1 ? absl::ZeroDuration() : now - s.last_token);
+  }
+  s.last_token = now;
   {
     absl::MutexLock lock(&mu_);
     ++stats_.generation_tokens;
@@ -317,7 +338,8 @@ void Engine::Step() {
   // Cancelled and expired requests leave first; their blocks are free for this step.
   auto reap = [&](Seq& s) {
     if (s.handle->cancel_requested()) {
-      Finish(s, FinishReason::kCancelled);
+      const FinishReason why = s.handle->cancel_reason();
+      Finish(s, why, why == FinishReason::kDeadline ? absl::DeadlineExceededError("deadline passed") : absl::OkStatus());
     } else if (now >= s.req.deadline) {
       Finish(s, FinishReason::kDeadline, absl::DeadlineExceededError("deadline passed"));
     }
@@ -397,6 +419,10 @@ void Engine::Step() {
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done; }),
                  running_.end());
 
+  if (config_.observer) {
+    if (!steps.empty()) config_.observer->OnStep(static_cast<int>(steps.size()), step_tokens);
+    if (!plan.preempted.empty()) config_.observer->OnPreemptions(static_cast<int>(plan.preempted.size()));
+  }
   absl::MutexLock lock(&mu_);
   queued_ = static_cast<int>(inbox_.size() + waiting_.size());
   stats_.num_running = static_cast<int>(running_.size());
@@ -409,6 +435,7 @@ void Engine::Step() {
   }
   stats_.prompt_tokens += prefill_tokens;
   stats_.preemptions += static_cast<int64_t>(plan.preempted.size());
+  stats_.memory = backend_->memory();
 }
 
 }  // namespace relgen

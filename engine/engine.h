@@ -69,9 +69,10 @@ class RequestHandle {
   const std::string& id() const { return id_; }
   // Waits up to `timeout` for output. False on timeout and once the final output was read.
   bool Next(Output* out, absl::Duration timeout = absl::InfiniteDuration());
-  // Stops the request: nothing more is delivered but the final output (kCancelled); the engine
-  // frees its KV blocks at its next step. Idempotent; a finished request stays as it finished.
-  void Cancel();
+  // Stops the request: nothing more is delivered but the final output (`reason`: kCancelled, or
+  // kDeadline when the caller's deadline passed); the engine frees its KV blocks at its next step.
+  // Idempotent; a finished request stays as it finished.
+  void Cancel(FinishReason reason = FinishReason::kCancelled);
   // Called (from the engine thread, without locks held) whenever output becomes readable.
   void SetListener(std::function<void()> listener);
 
@@ -79,10 +80,12 @@ class RequestHandle {
   friend class Engine;
   void Deliver(Output&& delta);  // merges; ignored after the final output
   bool cancel_requested() const { return cancel_.load(std::memory_order_acquire); }
+  FinishReason cancel_reason() const { return cancel_reason_.load(std::memory_order_acquire); }
   bool Readable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return has_pending_; }
 
   std::string id_;
   std::atomic<bool> cancel_{false};
+  std::atomic<FinishReason> cancel_reason_{FinishReason::kCancelled};
   absl::Mutex mu_;
   Output pending_ ABSL_GUARDED_BY(mu_);
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
@@ -91,11 +94,34 @@ class RequestHandle {
   std::function<void()> listener_ ABSL_GUARDED_BY(mu_);
 };
 
+// What happened to a request, for metrics. Every submitted request finishes exactly once.
+struct RequestSummary {
+  FinishReason reason = FinishReason::kNone;
+  int prompt_tokens = 0;
+  int generated_tokens = 0;
+  absl::Duration queue;  // submit -> first scheduled (submit -> finish if never scheduled)
+  absl::Duration time_to_first_token;  // zero when no token was generated
+  absl::Duration e2e;
+};
+
+// Called on the engine thread; implementations must be quick and thread-safe.
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  virtual void OnStep(int num_seqs, int num_tokens) {}
+  virtual void OnPreemptions(int count) {}
+  // A generated token; `since_previous` is the gap to the request's previous token (zero for the
+  // first token).
+  virtual void OnToken(absl::Duration since_previous) {}
+  virtual void OnFinished(const RequestSummary& summary) {}
+};
+
 struct EngineConfig {
   SchedulerConfig scheduler;
   int max_waiting = 1024;  // Submit fails with RESOURCE_EXHAUSTED beyond this
   // false: no engine thread; the owner drives the loop with RunOnce() (deterministic tests, tools).
   bool background_thread = true;
+  std::shared_ptr<EngineObserver> observer;  // optional
 };
 
 struct EngineStats {
@@ -110,6 +136,8 @@ struct EngineStats {
   int64_t generation_tokens = 0;  // tokens generated and delivered
   int64_t preemptions = 0;
   int64_t finished = 0;
+  std::string device;
+  BackendMemory memory;
 };
 
 class Engine {

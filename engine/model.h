@@ -68,6 +68,7 @@ class Model {
   const std::vector<int32_t>& t5_bucket_table() const { return t5_table_; }
   const std::vector<float>& alibi_slopes() const { return alibi_slopes_; }
   int64_t num_parameters() const { return num_parameters_; }
+  int64_t float_bytes() const { return num_parameters_ * static_cast<int64_t>(sizeof(float)); }
   // Weight dtype on disk (the first tensor's), for reporting.
   DType file_dtype() const { return file_dtype_; }
 

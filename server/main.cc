@@ -1,189 +1,213 @@
-// relgen-server: serves a relgen model over gRPC (relgen.v1.GenerationService), with the standard
-// health service and server reflection.
-// This first version runs one request at a time on the CPU backend; continuous batching, metrics
-// and the full request contract come with the engine and server issues.
+// relgen-server: serves a relgen model over gRPC (relgen.v1.GenerationService) with the standard
+// health service and server reflection, and Prometheus metrics over HTTP.
+//
+// Start-up: listen first (health NOT_SERVING, requests UNAVAILABLE while the model loads), then
+// load, then SERVING. SIGTERM or SIGINT: health NOT_SERVING, new requests UNAVAILABLE, requests in
+// flight get up to --drain_grace_seconds to finish, the rest end UNAVAILABLE, exit 0.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
 
-#include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
-#include <mutex>
-#include <random>
+#include <sstream>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "engine/cpu_backend.h"
-#include "engine/model.h"
-#include "relgen/v1/generation.grpc.pb.h"
+#include "engine/engine.h"
+#include "server/metrics.h"
+#include "server/options.h"
+#include "server/service.h"
 
-ABSL_FLAG(std::string, model, "", "model directory (config.json + model.safetensors)");
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC address");
+#ifndef RELGEN_SOURCE_DIR
+#define RELGEN_SOURCE_DIR "."
+#endif
+
+ABSL_FLAG(std::string, model, "", "model directory; default: models/default (here, then in the source tree)");
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC address HOST:PORT (port 0 picks a free one)");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400", "Prometheus /metrics address HOST:PORT (port 0 picks one)");
 ABSL_FLAG(std::string, device, "auto", "auto, cpu or cuda");
-ABSL_FLAG(int32_t, max_new_tokens, 1024, "largest max_new_tokens a request may ask for");
+ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
+ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
+ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
+ABSL_FLAG(int32_t, max_waiting, 1024, "queued requests at most; beyond, RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, kv_cache_tokens, 0, "KV cache capacity in tokens (0: use --kv_cache_memory_fraction)");
+ABSL_FLAG(double, kv_cache_memory_fraction, 0.2, "KV cache size as a fraction of available memory");
+ABSL_FLAG(int32_t, kv_block_size, 16, "tokens per KV cache block");
+ABSL_FLAG(int32_t, max_new_tokens, 4096, "largest max_new_tokens a request may ask for");
+ABSL_FLAG(int32_t, default_max_new_tokens, 128, "max_new_tokens when a request does not set it");
+ABSL_FLAG(int64_t, max_prompt_bytes, 256 << 10, "largest text prompt in bytes (INVALID_ARGUMENT beyond)");
+ABSL_FLAG(int64_t, max_message_bytes, 4 << 20, "largest gRPC message received (RESOURCE_EXHAUSTED beyond)");
+ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM, time given to requests in flight");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 
-namespace relgen {
+namespace relgen::server {
 namespace {
 
-using grpc::ServerContext;
-using grpc::Status;
-using grpc::StatusCode;
+int Fail(const std::string& msg, int code = 1) {
+  std::fprintf(stderr, "relgen-server: %s\n", msg.c_str());
+  return code;
+}
 
-class GenerationServiceImpl final : public v1::GenerationService::Service {
- public:
-  GenerationServiceImpl(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend)
-      : model_(std::move(model)), backend_(std::move(backend)) {}
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
 
-  Status Generate(ServerContext* ctx, const v1::GenerateRequest* req,
-                  v1::GenerateResponse* resp) override {
-    const ModelConfig& c = model_->config();
-    std::vector<int32_t> prompt;
-    if (req->has_token_ids()) {
-      prompt.assign(req->token_ids().ids().begin(), req->token_ids().ids().end());
-      for (int32_t t : prompt) {
-        if (t < 0 || t >= c.vocab_size) {
-          return Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("token_ids: id ", t, " out of range; allowed 0..", c.vocab_size - 1));
-        }
-      }
-    } else {
-      if (c.tokenizer != TokenizerKind::kByte) {
-        return Status(StatusCode::UNIMPLEMENTED, "text prompts need the byte tokenizer in this version");
-      }
-      for (unsigned char ch : req->text()) prompt.push_back(ch);
-    }
-    if (prompt.empty()) return Status(StatusCode::INVALID_ARGUMENT, "prompt: must not be empty");
-    const int max_new = req->has_max_new_tokens() ? req->max_new_tokens() : 128;
-    const int limit = std::min(absl::GetFlag(FLAGS_max_new_tokens), c.max_seq_len - static_cast<int>(prompt.size()));
-    if (max_new < 1 || max_new > limit) {
-      return Status(StatusCode::INVALID_ARGUMENT,
-                    absl::StrCat("max_new_tokens: ", max_new, "; allowed 1..", limit,
-                                 " for this prompt of ", prompt.size(), " tokens"));
-    }
-    const float temperature = req->has_temperature() ? req->temperature() : 1.0f;
-    if (!(temperature >= 0.0f && temperature <= 100.0f)) {
-      return Status(StatusCode::INVALID_ARGUMENT, "temperature: allowed 0..100");
-    }
-    std::mt19937_64 rng(req->has_seed() ? req->seed() : std::random_device{}());
-
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<int32_t> table(backend_->kv_cache().num_blocks);
-    for (size_t b = 0; b < table.size(); ++b) table[b] = static_cast<int32_t>(b);
-    std::vector<float> logits;
-    std::vector<int32_t> out;
-    SequenceStep step;
-    step.tokens = prompt;
-    step.block_table = table;
-    auto finish = v1::FINISH_REASON_LENGTH;
-    int32_t next = 0;
-    for (int i = 0; i < max_new; ++i) {
-      if (ctx->IsCancelled()) return Status(StatusCode::CANCELLED, "cancelled");
-      if (auto s = backend_->Forward({&step, 1}, &logits); !s.ok()) {
-        return Status(StatusCode::INTERNAL, std::string(s.message()));
-      }
-      next = Sample(logits, temperature, rng);
-      out.push_back(next);
-      if (next == c.eos_token_id && !req->ignore_eos()) {
-        finish = v1::FINISH_REASON_EOS;
-        break;
-      }
-      step.start_pos += static_cast<int>(step.tokens.size());
-      step.tokens = absl::MakeConstSpan(&next, 1);
-    }
-    resp->set_request_id(req->request_id());
-    for (int32_t t : out) {
-      resp->add_token_ids(t);
-      if (t < 256 && c.tokenizer == TokenizerKind::kByte) resp->mutable_text()->push_back(static_cast<char>(t));
-    }
-    resp->set_finish_reason(finish);
-    resp->mutable_usage()->set_prompt_tokens(static_cast<int>(prompt.size()));
-    resp->mutable_usage()->set_generated_tokens(static_cast<int>(out.size()));
-    return Status::OK;
+std::string DefaultModelDir() {
+  for (const std::string& dir : {std::string("models/default"), std::string(RELGEN_SOURCE_DIR) + "/models/default"}) {
+    if (std::ifstream(dir + "/config.json")) return dir;
   }
+  return "";
+}
 
-  Status GetModelInfo(ServerContext*, const v1::GetModelInfoRequest*, v1::ModelInfo* info) override {
-    const ModelConfig& c = model_->config();
-    info->set_name(c.name);
-    info->set_vocab_size(c.vocab_size);
-    info->set_d_model(c.d_model);
-    info->set_n_layers(c.n_layers);
-    info->set_n_heads(c.n_heads);
-    info->set_head_dim(c.head_dim);
-    info->set_ffn_dim(c.ffn_dim);
-    info->set_max_seq_len(c.max_seq_len);
-    info->mutable_relative_attention()->set_scheme(std::string(SchemeName(c.rel.scheme)));
-    info->set_num_parameters(model_->num_parameters());
-    info->set_device(std::string(backend_->name()));
-    return Status::OK;
-  }
-
- private:
-  static int32_t Sample(const std::vector<float>& logits, float temperature, std::mt19937_64& rng) {
-    if (temperature == 0.0f) {
-      return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    }
-    const float mx = *std::max_element(logits.begin(), logits.end());
-    std::vector<double> p(logits.size());
-    for (size_t i = 0; i < p.size(); ++i) p[i] = std::exp((logits[i] - mx) / temperature);
-    std::discrete_distribution<int32_t> dist(p.begin(), p.end());
-    return dist(rng);
-  }
-
-  std::shared_ptr<const Model> model_;
-  std::mutex mu_;
-  std::unique_ptr<Backend> backend_;
-};
+// Host part of HOST:PORT with the bound port.
+std::string WithPort(const std::string& addr, int port) {
+  return absl::StrCat(addr.substr(0, addr.rfind(':')), ":", port);
+}
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("relgen-server --model DIR [--listen HOST:PORT]");
+  absl::SetProgramUsageMessage("relgen-server [--model DIR] [--listen HOST:PORT] [--metrics_listen HOST:PORT] ...");
   absl::ParseCommandLine(argc, argv);
-  const std::string dir = absl::GetFlag(FLAGS_model);
-  if (dir.empty()) {
-    std::fprintf(stderr, "relgen-server: --model DIR is required\n");
-    return 2;
+  Options o;
+  o.model = absl::GetFlag(FLAGS_model);
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.device = absl::GetFlag(FLAGS_device);
+  o.threads = absl::GetFlag(FLAGS_threads);
+  o.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
+  o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  o.max_waiting = absl::GetFlag(FLAGS_max_waiting);
+  o.kv_cache_tokens = absl::GetFlag(FLAGS_kv_cache_tokens);
+  o.kv_cache_memory_fraction = absl::GetFlag(FLAGS_kv_cache_memory_fraction);
+  o.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
+  o.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
+  o.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
+  o.max_prompt_bytes = absl::GetFlag(FLAGS_max_prompt_bytes);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.drain_grace_seconds = absl::GetFlag(FLAGS_drain_grace_seconds);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
+    return Fail(absl::StrCat("--device ", o.device, ": allowed auto, cpu, cuda"), 2);
   }
-  if (absl::GetFlag(FLAGS_device) == "cuda") {
-    std::fprintf(stderr, "relgen-server: --device cuda: this build has no CUDA backend yet\n");
-    return 2;
+  if (o.device == "cuda") return Fail("--device cuda: this build has no CUDA backend yet; use cpu or auto", 2);
+  if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_waiting < 1 || o.kv_block_size < 1 ||
+      o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
+      o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0) {
+    return Fail("a limit flag is out of range (counts >= 1, --threads >= 0, --max_message_bytes >= 1024, "
+                "--drain_grace_seconds >= 0)", 2);
   }
-  auto model = Model::Load(dir);
-  if (!model.ok()) {
-    std::fprintf(stderr, "relgen-server: cannot load model: %s\n", std::string(model.status().message()).c_str());
-    return 1;
+  if (o.default_max_new_tokens > o.max_new_tokens) {
+    return Fail("--default_max_new_tokens may not exceed --max_new_tokens", 2);
   }
-  // One request at a time: a pool for one whole sequence.
-  const int block = 16;
-  auto backend = NewCpuBackend(*model, KvCacheConfig{block, BlocksForTokens((*model)->config().max_seq_len, block)});
-  if (!backend.ok()) {
-    std::fprintf(stderr, "relgen-server: %s\n", std::string(backend.status().message()).c_str());
-    return 1;
+  if (o.tls_cert.empty() != o.tls_key.empty()) return Fail("--tls_cert and --tls_key go together", 2);
+  if (o.model.empty()) {
+    o.model = DefaultModelDir();
+    if (o.model.empty()) return Fail("no --model given and no default model in models/default", 2);
   }
+
+  // Signals are taken by sigwait on this thread only.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!o.tls_cert.empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    if (!ReadFile(o.tls_cert, &pair.cert_chain)) return Fail("cannot read --tls_cert " + o.tls_cert, 2);
+    if (!ReadFile(o.tls_key, &pair.private_key)) return Fail("cannot read --tls_key " + o.tls_key, 2);
+    ssl.pem_key_cert_pairs.push_back(pair);
+    creds = grpc::SslServerCredentials(ssl);
+  }
+
+  auto metrics = std::make_shared<Metrics>();
+  GenerationService service(o, metrics.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  GenerationServiceImpl service(*model, *std::move(backend));
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(o.listen, creds, &port);
   builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.max_message_bytes, INT32_MAX)));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "relgen-server: cannot listen on %s\n", absl::GetFlag(FLAGS_listen).c_str());
-    return 1;
-  }
+  if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  auto metrics_port = metrics->Serve(o.metrics_listen);
+  if (!metrics_port.ok()) return Fail(std::string(metrics_port.status().message()));
+
+  auto model = Model::Load(o.model);
+  if (!model.ok()) return Fail(absl::StrCat("cannot load model: ", model.status().message()));
   const ModelConfig& c = (*model)->config();
-  std::printf("relgen-server: model %s (%s, %lld parameters) on cpu, listening on %s\n",
-              c.name.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
-              static_cast<long long>((*model)->num_parameters()), absl::GetFlag(FLAGS_listen).c_str());
+  auto tokenizer = NewTokenizer(c, o.model);
+  if (!tokenizer.ok()) return Fail(std::string(tokenizer.status().message()));
+  auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size);
+  if (!blocks.ok()) return Fail(std::string(blocks.status().message()));
+  auto backend = NewCpuBackend(*model, KvCacheConfig{o.kv_block_size, *blocks}, o.threads);
+  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+  EngineConfig ec;
+  ec.scheduler.max_num_seqs = o.max_num_seqs;
+  ec.scheduler.max_batch_tokens = o.max_batch_tokens;
+  ec.max_waiting = o.max_waiting;
+  ec.observer = metrics;
+  auto engine = Engine::Create(*model, *std::move(backend), std::shared_ptr<const Tokenizer>(*std::move(tokenizer)), ec);
+  if (!engine.ok()) return Fail(std::string(engine.status().message()));
+  metrics->SetEngine(engine->get());
+  service.SetEngine(engine->get());
+  server->GetHealthCheckService()->SetServingStatus(true);
+
+  const int64_t kv_tokens = int64_t{*blocks} * o.kv_block_size;
+  std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s) on cpu; KV cache %lld tokens (%.1f MiB); "
+              "gRPC on %s%s; metrics on %s\n",
+              c.name.c_str(), o.model.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
+              static_cast<long long>((*model)->num_parameters()), std::string(DTypeName((*model)->file_dtype())).c_str(),
+              static_cast<long long>(kv_tokens), kv_tokens * CpuKvBytesPerToken(c) / 1048576.0,
+              WithPort(o.listen, port).c_str(), o.tls_cert.empty() ? "" : " (TLS)",
+              WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
-  server->Wait();
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+              service.in_flight(), o.drain_grace_seconds);
+  std::fflush(stdout);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  service.StartDraining();
+  const absl::Time give_up = absl::Now() + absl::Seconds(o.drain_grace_seconds);
+  while (service.in_flight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
+  const int left = service.in_flight();
+  const absl::Time drained = absl::Now();
+  (*engine)->Shutdown();  // what is left ends UNAVAILABLE, and its calls finish
+  const absl::Time calls_done_by = absl::Now() + absl::Seconds(2);
+  while (service.in_flight() > 0 && absl::Now() < calls_done_by) absl::SleepFor(absl::Milliseconds(5));
+  // Nothing of ours is left: let gRPC cancel its idle machinery at once rather than wait for it.
+  server->Shutdown(std::chrono::system_clock::now());
+  service.SetEngine(nullptr);
+  metrics->SetEngine(nullptr);
+  std::printf("relgen-server: stopped (%d requests cut at the grace period; drain %.2f s, shutdown %.2f s)\n", left,
+              absl::ToDoubleSeconds(drained - (give_up - absl::Seconds(o.drain_grace_seconds))),
+              absl::ToDoubleSeconds(absl::Now() - drained));
   return 0;
 }
 
 }  // namespace
-}  // namespace relgen
+}  // namespace relgen::server
 
-int main(int argc, char** argv) { return relgen::Main(argc, argv); }
+int main(int argc, char** argv) { return relgen::server::Main(argc, argv); }

@@ -77,11 +77,12 @@ ENGINE_MODELS = {
 }
 
 
-def make_engine_model(out_dir, name, rel, seed):
+def make_engine_model(out_dir, name, rel, seed, overrides=None):
     cfg = copy.deepcopy(BASE)
     cfg.update({"name": f"engine-{name}", "max_seq_len": 512, "vocab_size": 259,
                 "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258,
                 "relative_attention": rel})
+    cfg.update(overrides or {})
     tensors = relgen_ref.random_tensors(cfg, torch.Generator().manual_seed(seed))
     d = os.path.join(out_dir, name)
     os.makedirs(d, exist_ok=True)
@@ -133,6 +134,11 @@ def main():
         print(f"[{n + 1}/{len(names)}] {name}: {dtype}{extra}", flush=True)
     for n, (name, rel) in enumerate(ENGINE_MODELS.items()):
         make_engine_model(os.path.join(args.out, "engine"), name, rel, seed=2000 + n)
+    # A slower model for server tests that must interrupt a generation in progress.
+    make_engine_model(os.path.join(args.out, "engine"), "server",
+                      {"scheme": "skew", "max_relative_position": 256, "scale_with_qk": True}, seed=3000,
+                      overrides={"d_model": 256, "n_layers": 4, "n_heads": 4, "head_dim": 64, "ffn_dim": 1024,
+                                 "max_seq_len": 2048})
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump({"lengths": LENGTHS, "cases": names, "engine_models": list(ENGINE_MODELS)}, f, indent=2)
     print(f"wrote {len(names)} cases to {args.out} in {time.time() - t0:.1f}s")

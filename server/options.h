@@ -1,0 +1,29 @@
+// relgen-server's settings (its flags), shared by the service, validation and metrics.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace relgen::server {
+
+struct Options {
+  std::string model;
+  std::string listen = "0.0.0.0:50051";
+  std::string metrics_listen = "0.0.0.0:9400";
+  std::string device = "auto";
+  int threads = 0;                       // 0: every hardware thread
+  int max_num_seqs = 64;
+  int max_batch_tokens = 512;
+  int max_waiting = 1024;
+  int64_t kv_cache_tokens = 0;           // 0: size by kv_cache_memory_fraction
+  double kv_cache_memory_fraction = 0.2;
+  int kv_block_size = 16;
+  int max_new_tokens = 4096;             // largest a request may ask for
+  int default_max_new_tokens = 128;
+  int64_t max_prompt_bytes = 256 << 10;  // text prompts
+  int64_t max_message_bytes = 4 << 20;   // gRPC's own limit on a received message
+  double drain_grace_seconds = 30;
+  std::string tls_cert, tls_key;
+};
+
+}  // namespace relgen::server

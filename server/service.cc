@@ -1,0 +1,314 @@
+#include "server/service.h"
+
+#include <mutex>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "server/validation.h"
+
+namespace relgen::server {
+namespace {
+
+grpc::StatusCode ToGrpc(absl::StatusCode c) {
+  switch (c) {
+    case absl::StatusCode::kInvalidArgument: return grpc::StatusCode::INVALID_ARGUMENT;
+    case absl::StatusCode::kResourceExhausted: return grpc::StatusCode::RESOURCE_EXHAUSTED;
+    case absl::StatusCode::kUnavailable: return grpc::StatusCode::UNAVAILABLE;
+    case absl::StatusCode::kDeadlineExceeded: return grpc::StatusCode::DEADLINE_EXCEEDED;
+    case absl::StatusCode::kCancelled: return grpc::StatusCode::CANCELLED;
+    default: return grpc::StatusCode::INTERNAL;
+  }
+}
+
+std::string NewRequestId() {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  return absl::StrFormat("%016x", rng());
+}
+
+void FillTokens(const Output& o, const Tokenizer& tok, google::protobuf::RepeatedField<int32_t>* ids,
+                google::protobuf::RepeatedPtrField<v1::TokenInfo>* logprobs) {
+  for (int32_t t : o.token_ids) ids->Add(t);
+  for (const SampleResult& r : o.logprobs) {
+    v1::TokenInfo* info = logprobs->Add();
+    info->set_token_id(r.token);
+    info->set_logprob(r.logprob);
+    for (const TokenLogprob& alt : r.top) {
+      v1::TokenLogprob* a = info->add_top_logprobs();
+      a->set_token_id(alt.token);
+      a->set_logprob(alt.logprob);
+      a->set_text(tok.TokenText(alt.token));
+    }
+  }
+}
+
+template <typename Msg>
+void FillFinal(const Output& o, Msg* m) {
+  m->set_finish_reason(ToProto(o.finish_reason));
+  m->mutable_usage()->set_prompt_tokens(o.prompt_tokens);
+  m->mutable_usage()->set_generated_tokens(o.generated_tokens);
+  m->mutable_timing()->set_queue_seconds(absl::ToDoubleSeconds(o.timing.queue));
+  m->mutable_timing()->set_time_to_first_token_seconds(absl::ToDoubleSeconds(o.timing.time_to_first_token));
+  m->mutable_timing()->set_total_seconds(absl::ToDoubleSeconds(o.timing.total));
+}
+
+// Whether a cancelled call is the client's deadline passing. The client gives up at its own
+// deadline, which this server sees slightly later (the deadline travels as a timeout), so the
+// cancellation arrives just before the server's copy of the deadline: allow a small margin.
+bool DeadlinePassed(grpc::CallbackServerContext* ctx) {
+  constexpr auto kMargin = std::chrono::milliseconds(250);
+  return ctx->deadline() != std::chrono::system_clock::time_point::max() &&
+         std::chrono::system_clock::now() + kMargin >= ctx->deadline();
+}
+
+// Lifetime: the engine may signal a call (from its thread) until the call's final output was
+// delivered; the signal reaches the reactor only through this guard, which OnDone disarms.
+template <typename Reactor>
+struct Guard {
+  std::recursive_mutex mu;
+  Reactor* reactor = nullptr;
+};
+
+class UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
+            v1::GenerateResponse* resp)
+      : service_(service), ctx_(ctx), handle_(std::move(handle)), resp_(resp), guard_(std::make_shared<Guard<UnaryCall>>()) {
+    guard_->reactor = this;
+    handle_->SetListener([g = guard_] {
+      std::lock_guard<std::recursive_mutex> lock(g->mu);
+      if (g->reactor != nullptr) g->reactor->Pump();
+    });
+  }
+  void OnCancel() override { handle_->Cancel(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled); }
+  void OnDone() override {
+    {
+      std::lock_guard<std::recursive_mutex> lock(guard_->mu);
+      guard_->reactor = nullptr;
+    }
+    service_->CallDone();
+    delete this;
+  }
+
+ private:
+  void Pump() {
+    if (finished_) return;
+    Output o;
+    while (handle_->Next(&o, absl::ZeroDuration())) {
+      resp_->mutable_text()->append(o.text);
+      FillTokens(o, service_->tokenizer(), resp_->mutable_token_ids(), resp_->mutable_logprobs());
+      if (o.finished) {
+        finished_ = true;
+        FillFinal(o, resp_);
+        const grpc::Status status = FinalStatus(o);
+        if (!status.ok()) service_->Refused(status);
+        Finish(status);
+        return;
+      }
+    }
+  }
+
+  GenerationService* service_;
+  grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<RequestHandle> handle_;
+  v1::GenerateResponse* resp_;
+  std::shared_ptr<Guard<UnaryCall>> guard_;
+  bool finished_ = false;
+};
+
+class StreamCall final : public grpc::ServerWriteReactor<v1::GenerateStreamResponse> {
+ public:
+  StreamCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
+             std::string request_id)
+      : service_(service), ctx_(ctx), handle_(std::move(handle)), request_id_(std::move(request_id)),
+        guard_(std::make_shared<Guard<StreamCall>>()) {
+    guard_->reactor = this;
+    handle_->SetListener([g = guard_] {
+      std::lock_guard<std::recursive_mutex> lock(g->mu);
+      if (g->reactor != nullptr) g->reactor->Pump();
+    });
+  }
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::recursive_mutex> lock(guard_->mu);
+    writing_ = false;
+    if (!ok) {  // the stream is broken: the client is gone or the call was cancelled
+      handle_->Cancel();
+      if (!finished_) {
+        finished_ = true;
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed"));
+      }
+      return;
+    }
+    Pump();
+  }
+  void OnCancel() override { handle_->Cancel(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled); }
+  void OnDone() override {
+    {
+      std::lock_guard<std::recursive_mutex> lock(guard_->mu);
+      guard_->reactor = nullptr;
+    }
+    service_->CallDone();
+    delete this;
+  }
+
+ private:
+  // Writes what is readable, one message at a time. Called with the guard held.
+  void Pump() {
+    if (writing_ || finished_) return;
+    Output o;
+    if (!handle_->Next(&o, absl::ZeroDuration())) return;
+    msg_.Clear();
+    msg_.set_request_id(request_id_);
+    msg_.set_text_delta(o.text);
+    FillTokens(o, service_->tokenizer(), msg_.mutable_token_ids(), msg_.mutable_logprobs());
+    if (!o.finished) {
+      writing_ = true;
+      StartWrite(&msg_);
+      return;
+    }
+    finished_ = true;
+    const grpc::Status status = FinalStatus(o);
+    if (!status.ok()) {
+      service_->Refused(status);
+      Finish(status);
+      return;
+    }
+    FillFinal(o, &msg_);
+    StartWriteAndFinish(&msg_, grpc::WriteOptions(), status);
+  }
+
+  GenerationService* service_;
+  grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<RequestHandle> handle_;
+  std::string request_id_;
+  std::shared_ptr<Guard<StreamCall>> guard_;
+  v1::GenerateStreamResponse msg_;
+  bool writing_ = false;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+v1::FinishReason ToProto(FinishReason r) {
+  switch (r) {
+    case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStop: return v1::FINISH_REASON_STOP;
+    case FinishReason::kEos: return v1::FINISH_REASON_EOS;
+    default: return v1::FINISH_REASON_UNSPECIFIED;
+  }
+}
+
+grpc::Status FinalStatus(const Output& o) {
+  switch (o.finish_reason) {
+    case FinishReason::kLength:
+    case FinishReason::kStop:
+    case FinishReason::kEos:
+      return grpc::Status::OK;
+    case FinishReason::kDeadline:
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed");
+    case FinishReason::kCancelled:
+      if (o.status.code() == absl::StatusCode::kUnavailable) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(o.status.message()));
+      }
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    default:
+      return grpc::Status(grpc::StatusCode::INTERNAL, std::string(o.status.message()));
+  }
+}
+
+grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
+                                      std::shared_ptr<RequestHandle>* handle, std::string* request_id) {
+  Engine* engine = engine_.load();
+  if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
+  if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
+  Request r;
+  grpc::Status s = ToEngineRequest(req, engine->model(), engine->tokenizer(), options_, &r);
+  if (!s.ok()) return s;
+  if (r.id.empty()) r.id = NewRequestId();
+  *request_id = r.id;
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) r.deadline = absl::FromChrono(ctx->deadline());
+  auto h = engine->Submit(std::move(r));
+  if (!h.ok()) return grpc::Status(ToGrpc(h.status().code()), std::string(h.status().message()));
+  *handle = *std::move(h);
+  in_flight_.fetch_add(1);
+  return grpc::Status::OK;
+}
+
+grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,
+                                                      const v1::GenerateRequest* req, v1::GenerateResponse* resp) {
+  std::shared_ptr<RequestHandle> handle;
+  std::string id;
+  const grpc::Status s = Admit(ctx, *req, &handle, &id);
+  if (!s.ok()) {
+    Refused(s);
+    auto* r = ctx->DefaultReactor();
+    r->Finish(s);
+    return r;
+  }
+  resp->set_request_id(id);
+  return new UnaryCall(this, ctx, std::move(handle), resp);
+}
+
+grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::GenerateStream(
+    grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
+  std::shared_ptr<RequestHandle> handle;
+  std::string id;
+  const grpc::Status s = Admit(ctx, *req, &handle, &id);
+  if (!s.ok()) {
+    Refused(s);
+    class Refuse final : public grpc::ServerWriteReactor<v1::GenerateStreamResponse> {
+     public:
+      explicit Refuse(const grpc::Status& s) { Finish(s); }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse(s);
+  }
+  return new StreamCall(this, ctx, std::move(handle), std::move(id));
+}
+
+grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* ctx,
+                                                          const v1::GetModelInfoRequest*, v1::ModelInfo* info) {
+  auto* r = ctx->DefaultReactor();
+  Engine* engine = engine_.load();
+  if (engine == nullptr) {
+    r->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading"));
+    return r;
+  }
+  const ModelConfig& c = engine->model().config();
+  info->set_name(c.name);
+  info->set_vocab_size(c.vocab_size);
+  info->set_d_model(c.d_model);
+  info->set_n_layers(c.n_layers);
+  info->set_n_heads(c.n_heads);
+  info->set_head_dim(c.head_dim);
+  info->set_ffn_dim(c.ffn_dim);
+  info->set_max_seq_len(c.max_seq_len);
+  v1::RelativeAttentionInfo* rel = info->mutable_relative_attention();
+  rel->set_scheme(std::string(SchemeName(c.rel.scheme)));
+  rel->set_max_relative_position(c.rel.max_relative_position);
+  rel->set_block_length(c.rel.block_length);
+  rel->set_clip(c.rel.clip);
+  rel->set_relative_values(c.rel.relative_values);
+  if (c.rel.scheme == relpos::Scheme::kT5) {
+    rel->set_num_buckets(c.rel.num_buckets);
+    rel->set_max_distance(c.rel.max_distance);
+    rel->set_bidirectional(c.rel.bidirectional);
+  }
+  rel->set_heads_share_table(c.rel.heads_share_table);
+  rel->set_share_across_layers(c.rel.share_across_layers);
+  rel->set_scale_with_qk(c.rel.scale_with_qk);
+  info->set_tokenizer(c.tokenizer == TokenizerKind::kByte ? "byte" : "sentencepiece");
+  info->set_bos_token_id(c.bos_token_id);
+  info->set_eos_token_id(c.eos_token_id);
+  info->set_num_parameters(engine->model().num_parameters());
+  info->set_weights_dtype(std::string(DTypeName(engine->model().file_dtype())));
+  const EngineStats st = engine->Stats();
+  info->set_device(st.device);
+  info->set_max_new_tokens_limit(options_.max_new_tokens);
+  info->set_kv_cache_tokens(int64_t{st.kv_blocks_total} * engine->config().scheduler.block_size);
+  r->Finish(grpc::Status::OK);
+  return r;
+}
+
+}  // namespace relgen::server

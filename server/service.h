@@ -1,0 +1,54 @@
+// relgen.v1.GenerationService on gRPC's callback API. gRPC threads validate and submit; the engine
+// thread signals readable output; each call keeps at most one write in flight and the engine merges
+// output while a write is pending, so a slow reader neither stalls the engine nor grows memory
+// beyond its own output. Client cancel or disconnect, and a passed deadline, cancel the request in
+// the engine at its next step.
+#pragma once
+
+#include <atomic>
+
+#include "engine/engine.h"
+#include "relgen/v1/generation.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/options.h"
+
+namespace relgen::server {
+
+class GenerationService final : public v1::GenerationService::CallbackService {
+ public:
+  GenerationService(const Options& options, Metrics* metrics) : options_(options), metrics_(metrics) {}
+
+  // Requests are answered UNAVAILABLE until the engine is set (the model is loading).
+  void SetEngine(Engine* engine) { engine_.store(engine); }
+  // From now on new requests are answered UNAVAILABLE; calls already admitted go on.
+  void StartDraining() { draining_.store(true); }
+  // Generate/GenerateStream calls admitted and not yet done.
+  int in_flight() const { return in_flight_.load(); }
+
+  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req,
+                                     v1::GenerateResponse* resp) override;
+  grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerateStream(
+      grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx, const v1::GetModelInfoRequest* req,
+                                         v1::ModelInfo* info) override;
+
+  // Shared by the call reactors.
+  grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
+                     std::shared_ptr<RequestHandle>* handle, std::string* request_id);
+  void Refused(const grpc::Status& status) { metrics_->OnRefused(status.error_code()); }
+  void CallDone() { in_flight_.fetch_sub(1); }
+  const Tokenizer& tokenizer() const { return engine_.load()->tokenizer(); }
+
+ private:
+  const Options& options_;
+  Metrics* metrics_;
+  std::atomic<Engine*> engine_{nullptr};
+  std::atomic<bool> draining_{false};
+  std::atomic<int> in_flight_{0};
+};
+
+// The gRPC status a finished request ends with.
+grpc::Status FinalStatus(const Output& final_output);
+v1::FinishReason ToProto(FinishReason r);
+
+}  // namespace relgen::server

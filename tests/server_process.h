@@ -1,0 +1,149 @@
+// Runs relgen-server as a child process on loopback for integration tests, and reads /metrics.
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace relgen::testing {
+
+class ServerProcess {
+ public:
+  // Starts the server with `args` (plus loopback listen flags) and waits for its startup line.
+  bool Start(const std::vector<std::string>& args, std::string* error) {
+    int out[2];
+    if (pipe(out) != 0) return false;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], 1);
+      dup2(out[1], 2);
+      close(out[0]);
+      std::vector<std::string> all = {Binary(), "--listen", "127.0.0.1:0", "--metrics_listen", "127.0.0.1:0"};
+      all.insert(all.end(), args.begin(), args.end());
+      std::vector<char*> argv;
+      for (auto& a : all) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    fd_ = out[0];
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::string line;
+    while (std::chrono::steady_clock::now() < give_up) {
+      if (!ReadLine(&line)) break;
+      output_ += line + "\n";
+      std::smatch m;
+      if (std::regex_search(line, m, std::regex("gRPC on 127\\.0\\.0\\.1:(\\d+).*metrics on 127\\.0\\.0\\.1:(\\d+)"))) {
+        port_ = std::stoi(m[1]);
+        metrics_port_ = std::stoi(m[2]);
+        // Keep draining the output so the server never blocks on a full pipe.
+        reader_ = std::thread([this] {
+          std::string l;
+          while (ReadLine(&l)) tail_ += l + "\n";
+        });
+        return true;
+      }
+    }
+    *error = "no startup line; output:\n" + output_;
+    return false;
+  }
+
+  // Waits for the process to exit; returns its exit status (or -1).
+  int Wait(std::string* output = nullptr) {
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    if (reader_.joinable()) reader_.join();
+    if (output != nullptr) *output = output_ + tail_;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  void Signal(int sig) { kill(pid_, sig); }
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      Wait();
+    }
+    if (std::getenv("RELGEN_TEST_SERVER_OUTPUT") != nullptr) fprintf(stderr, "--- server output\n%s%s", output_.c_str(), tail_.c_str());
+    if (reader_.joinable()) reader_.join();
+    if (fd_ >= 0) close(fd_);
+  }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  int metrics_port() const { return metrics_port_; }
+  const std::string& startup_output() const { return output_; }
+
+  static std::string Binary() {
+    const char* b = std::getenv("RELGEN_SERVER_BIN");
+    return b != nullptr ? b : "relgen-server";
+  }
+
+ private:
+  bool ReadLine(std::string* line) {
+    line->clear();
+    char c;
+    while (true) {
+      const ssize_t n = read(fd_, &c, 1);
+      if (n <= 0) return !line->empty();
+      if (c == '\n') return true;
+      line->push_back(c);
+    }
+  }
+
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  int port_ = 0, metrics_port_ = 0;
+  std::string output_, tail_;
+  std::thread reader_;
+};
+
+// GET http://127.0.0.1:port/metrics, the body.
+inline std::string Scrape(int port) {
+  const int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  std::string body;
+  if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (write(s, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      ssize_t n;
+      while ((n = read(s, buf, sizeof(buf))) > 0) body.append(buf, n);
+    }
+  }
+  close(s);
+  const size_t start = body.find("\r\n\r\n");
+  return start == std::string::npos ? body : body.substr(start + 4);
+}
+
+// Sample lines "name{labels} value" -> value; the key is the text before the value.
+inline std::map<std::string, double> ParseMetrics(const std::string& text) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t sp = line.rfind(' ');
+    if (sp == std::string::npos) continue;
+    out[line.substr(0, sp)] = std::strtod(line.c_str() + sp + 1, nullptr);
+  }
+  return out;
+}
+
+}  // namespace relgen::testing

@@ -1,0 +1,458 @@
+// relgen-server end to end: a real server process on loopback and a real gRPC client.
+#include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <thread>
+
+#include "engine/cpu_backend.h"
+#include "engine/engine.h"
+#include "relgen/v1/generation.grpc.pb.h"
+#include "tests/server_process.h"
+#include "tests/test_util.h"
+
+namespace relgen {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string ModelDir(const std::string& name) { return testing::GoldenDir() + "/engine/" + name; }
+
+std::unique_ptr<testing::ServerProcess> StartServer(const std::vector<std::string>& args) {
+  auto p = std::make_unique<testing::ServerProcess>();
+  std::string error;
+  EXPECT_TRUE(p->Start(args, &error)) << error;
+  return p;
+}
+
+std::unique_ptr<v1::GenerationService::Stub> Stub(const testing::ServerProcess& p) {
+  return v1::GenerationService::NewStub(grpc::CreateChannel(p.address(), grpc::InsecureChannelCredentials()));
+}
+
+std::string Bytes(const grpc::ByteBuffer& b) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (b.Dump(&slices).ok()) {
+    for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return out;
+}
+
+// Standard services spoken through the generic stub: the request and response bytes are tiny
+// protobuf messages written out by hand.
+std::string GenericUnary(const std::string& address, const std::string& method, const std::string& request) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  grpc::Slice slice(request);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) { done.set_value(s); });
+  const grpc::Status s = done.get_future().get();
+  return s.ok() ? Bytes(resp) : "error: " + s.error_message();
+}
+
+std::string ReflectionListServices(const std::string& address) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok;
+  auto step = [&](intptr_t t) { return cq.Next(&tag, &ok) && ok && reinterpret_cast<intptr_t>(tag) == t; };
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!step(1)) return "";
+  const std::string list_services = std::string("\x3a\x01*", 3);  // field 7 (list_services) = "*"
+  grpc::Slice slice(list_services);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  call->Write(req, reinterpret_cast<void*>(2));
+  if (!step(2)) return "";
+  call->Read(&resp, reinterpret_cast<void*>(3));
+  if (!step(3)) return "";
+  call->WritesDone(reinterpret_cast<void*>(4));
+  step(4);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  step(5);
+  return Bytes(resp);
+}
+
+struct Collected {
+  std::vector<int32_t> tokens;
+  std::string text;
+  v1::FinishReason reason = v1::FINISH_REASON_UNSPECIFIED;
+  int chunks = 0;
+  grpc::Status status;
+  v1::Usage usage;
+};
+
+Collected Stream(v1::GenerationService::Stub& stub, const v1::GenerateRequest& req, int cancel_after = -1,
+                 std::chrono::milliseconds deadline = std::chrono::milliseconds(0)) {
+  grpc::ClientContext ctx;
+  if (deadline.count() > 0) ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+  auto reader = stub.GenerateStream(&ctx, req);
+  Collected c;
+  v1::GenerateStreamResponse m;
+  while (reader->Read(&m)) {
+    ++c.chunks;
+    c.tokens.insert(c.tokens.end(), m.token_ids().begin(), m.token_ids().end());
+    c.text += m.text_delta();
+    if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      c.reason = m.finish_reason();
+      c.usage = m.usage();
+    }
+    if (c.chunks == cancel_after) ctx.TryCancel();
+  }
+  c.status = reader->Finish();
+  return c;
+}
+
+v1::GenerateRequest TokenRequest(std::vector<int32_t> ids, int max_new) {
+  v1::GenerateRequest r;
+  for (int32_t t : ids) r.mutable_token_ids()->add_ids(t);
+  r.set_max_new_tokens(max_new);
+  r.set_ignore_eos(true);
+  return r;
+}
+
+// The same request through the engine API in this process.
+std::vector<int32_t> EngineTokens(const std::string& model_dir, const Request& r) {
+  auto model = *Model::Load(model_dir);
+  auto engine = *Engine::Create(model, *NewCpuBackend(model, KvCacheConfig{16, 256}, 1), NewByteTokenizer(), EngineConfig{});
+  auto h = *engine->Submit(r);
+  std::vector<int32_t> out;
+  Output o;
+  while (h->Next(&o)) out.insert(out.end(), o.token_ids.begin(), o.token_ids.end());
+  return out;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = StartServer({"--model", ModelDir("skew"), "--kv_cache_tokens", "8192", "--max_new_tokens", "300",
+                           "--max_prompt_bytes", "1000"})
+                  .release();
+  }
+  static void TearDownTestSuite() { delete server_; }
+  static testing::ServerProcess* server_;
+};
+testing::ServerProcess* ServerTest::server_ = nullptr;
+
+TEST_F(ServerTest, UnaryAndStreamingMatchTheEngine) {
+  auto stub = Stub(*server_);
+  Request local;
+  local.prompt = {10, 20, 30, 40, 50, 60};
+  local.stop.max_new_tokens = 40;
+  local.stop.ignore_eos = true;
+  for (bool sampled : {false, true}) {
+    v1::GenerateRequest req = TokenRequest(local.prompt, 40);
+    if (sampled) {
+      req.set_temperature(0.8f);
+      req.set_top_k(50);
+      req.set_seed(1234);
+      local.sampling.temperature = 0.8f;
+      local.sampling.top_k = 50;
+      local.sampling.seed = 1234;
+    } else {
+      req.set_temperature(0.0f);
+      local.sampling.temperature = 0.0f;
+    }
+    const std::vector<int32_t> want = EngineTokens(ModelDir("skew"), local);
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(stub->Generate(&ctx, req, &resp).ok());
+    EXPECT_EQ(std::vector<int32_t>(resp.token_ids().begin(), resp.token_ids().end()), want);
+    EXPECT_EQ(resp.finish_reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(resp.usage().prompt_tokens(), 6);
+    EXPECT_EQ(resp.usage().generated_tokens(), 40);
+    EXPECT_FALSE(resp.request_id().empty());
+    const Collected s = Stream(*stub, req);
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+    EXPECT_EQ(s.tokens, want);
+    EXPECT_EQ(s.text, resp.text());
+    EXPECT_GT(s.chunks, 1) << "streaming should deliver tokens incrementally";
+  }
+}
+
+TEST_F(ServerTest, TextPromptsGetBosAndEchoRequestId) {
+  auto stub = Stub(*server_);
+  v1::GenerateRequest req;
+  req.set_text("Hello, relgen");
+  req.set_max_new_tokens(12);
+  req.set_temperature(0);
+  req.set_request_id("my-id-7");
+  req.set_ignore_eos(true);
+  req.set_logprobs(3);
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(stub->Generate(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.request_id(), "my-id-7");
+  Request local;
+  local.prompt = {256};
+  for (char ch : std::string("Hello, relgen")) local.prompt.push_back(static_cast<uint8_t>(ch));
+  local.stop.max_new_tokens = 12;
+  local.stop.ignore_eos = true;
+  local.sampling.temperature = 0;
+  EXPECT_EQ(std::vector<int32_t>(resp.token_ids().begin(), resp.token_ids().end()), EngineTokens(ModelDir("skew"), local));
+  ASSERT_EQ(resp.logprobs_size(), 12);
+  EXPECT_EQ(resp.logprobs(0).top_logprobs_size(), 3);
+  // Greedy: the chosen token is the most likely one.
+  EXPECT_EQ(resp.logprobs(0).token_id(), resp.logprobs(0).top_logprobs(0).token_id());
+  EXPECT_EQ(resp.usage().prompt_tokens(), 14);
+}
+
+TEST_F(ServerTest, ModelInfoHealthAndReflection) {
+  auto stub = Stub(*server_);
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  const ModelConfig c = (*Model::Load(ModelDir("skew")))->config();
+  EXPECT_EQ(info.name(), c.name);
+  EXPECT_EQ(info.vocab_size(), c.vocab_size);
+  EXPECT_EQ(info.d_model(), c.d_model);
+  EXPECT_EQ(info.n_layers(), c.n_layers);
+  EXPECT_EQ(info.n_heads(), c.n_heads);
+  EXPECT_EQ(info.head_dim(), c.head_dim);
+  EXPECT_EQ(info.ffn_dim(), c.ffn_dim);
+  EXPECT_EQ(info.max_seq_len(), c.max_seq_len);
+  EXPECT_EQ(info.relative_attention().scheme(), "skew");
+  EXPECT_EQ(info.relative_attention().max_relative_position(), c.rel.max_relative_position);
+  EXPECT_EQ(info.eos_token_id(), c.eos_token_id);
+  EXPECT_EQ(info.tokenizer(), "byte");
+  EXPECT_EQ(info.device(), "cpu");
+  EXPECT_EQ(info.kv_cache_tokens(), 8192);
+  EXPECT_EQ(info.max_new_tokens_limit(), 300);
+  EXPECT_EQ(GenericUnary(server_->address(), "/grpc.health.v1.Health/Check", ""), std::string("\x08\x01", 2))
+      << "health status SERVING (1)";
+  EXPECT_THAT(ReflectionListServices(server_->address()), HasSubstr("relgen.v1.GenerationService"));
+}
+
+struct BadCase {
+  const char* name;
+  std::function<void(v1::GenerateRequest&)> mutate;
+  const char* field;
+};
+
+TEST_F(ServerTest, InvalidInputsNameTheField) {
+  auto stub = Stub(*server_);
+  const std::vector<BadCase> cases = {
+      {"empty text", [](auto& r) { r.set_text(""); }, "text: the prompt is empty"},
+      {"no prompt", [](auto& r) { r.clear_token_ids(); }, "prompt: missing"},
+      {"empty ids", [](auto& r) { r.mutable_token_ids()->clear_ids(); }, "token_ids: the prompt is empty"},
+      {"id >= vocab", [](auto& r) { r.mutable_token_ids()->add_ids(259); }, "token_ids: ids[3] = 259; allowed 0..258"},
+      {"negative id", [](auto& r) { r.mutable_token_ids()->set_ids(0, -1); }, "token_ids: ids[0] = -1"},
+      {"max_new 0", [](auto& r) { r.set_max_new_tokens(0); }, "max_new_tokens: 0; allowed 1..300"},
+      {"max_new over limit", [](auto& r) { r.set_max_new_tokens(301); }, "max_new_tokens: 301; allowed 1..300"},
+      {"over context", [](auto& r) {
+         for (int i = 0; i < 300; ++i) r.mutable_token_ids()->add_ids(5);
+         r.set_max_new_tokens(250);
+       }, "max_new_tokens: 250 after a prompt of 303 tokens exceeds the model's context of 512 tokens; allowed 1..209"},
+      {"prompt fills context", [](auto& r) {
+         for (int i = 0; i < 600; ++i) r.mutable_token_ids()->add_ids(5);
+       }, "token_ids: the prompt is 603 tokens"},
+      {"temperature < 0", [](auto& r) { r.set_temperature(-0.5f); }, "temperature: -0.5; allowed 0..100"},
+      {"top_p 0", [](auto& r) { r.set_top_p(0); }, "top_p: 0; allowed (0, 1]"},
+      {"top_p > 1", [](auto& r) { r.set_top_p(1.5f); }, "top_p: 1.5; allowed (0, 1]"},
+      {"top_k < 0", [](auto& r) { r.set_top_k(-1); }, "top_k: -1; allowed 0..259"},
+      {"repetition_penalty", [](auto& r) { r.set_repetition_penalty(0); }, "repetition_penalty: 0; allowed (0, 10]"},
+      {"too many stops", [](auto& r) { for (int i = 0; i < 17; ++i) r.add_stop("x"); }, "stop: 17 strings; allowed at most 16"},
+      {"stop too long", [](auto& r) { r.add_stop(std::string(257, 'a')); }, "stop: stop[0] is 257 bytes; allowed 1..256"},
+      {"empty stop", [](auto& r) { r.add_stop(""); }, "stop: stop[0] is 0 bytes"},
+      {"stop id", [](auto& r) { r.add_stop_token_ids(400); }, "stop_token_ids: stop_token_ids[0] = 400"},
+      {"logprobs", [](auto& r) { r.set_logprobs(21); }, "logprobs: 21; allowed 0..20"},
+      {"oversized text", [](auto& r) { r.set_text(std::string(1001, 'a')); }, "text: 1001 bytes; allowed at most 1000"},
+      {"request_id", [](auto& r) { r.set_request_id(std::string(129, 'r')); }, "request_id: 129 bytes; allowed at most 128"},
+  };
+  for (const BadCase& c : cases) {
+    v1::GenerateRequest req = TokenRequest({1, 2, 3}, 10);
+    c.mutate(req);
+    for (bool stream : {false, true}) {
+      grpc::Status s;
+      if (stream) {
+        s = Stream(*stub, req).status;
+      } else {
+        grpc::ClientContext ctx;
+        v1::GenerateResponse resp;
+        s = stub->Generate(&ctx, req, &resp);
+      }
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+      EXPECT_THAT(s.error_message(), HasSubstr(c.field)) << c.name;
+    }
+  }
+  // Still serving.
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  EXPECT_TRUE(stub->Generate(&ctx, TokenRequest({1, 2, 3}, 5), &resp).ok());
+  EXPECT_EQ(resp.token_ids_size(), 5);
+}
+
+TEST_F(ServerTest, MessageOverGrpcLimitIsRefusedByGrpc) {
+  auto stub = Stub(*server_);
+  v1::GenerateRequest req;
+  req.set_text(std::string(5 << 20, 'a'));  // above --max_message_bytes (4 MiB)
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  EXPECT_EQ(stub->Generate(&ctx, req, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+double Metric(const std::map<std::string, double>& m, const std::string& key) {
+  auto it = m.find(key);
+  return it == m.end() ? -1 : it->second;
+}
+
+// Polls /metrics until `pred` holds (or 10 s pass); returns the last sample.
+std::map<std::string, double> WaitForMetrics(int port, const std::function<bool(const std::map<std::string, double>&)>& pred) {
+  std::map<std::string, double> m;
+  for (int i = 0; i < 200; ++i) {
+    m = testing::ParseMetrics(testing::Scrape(port));
+    if (pred(m)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return m;
+}
+
+TEST(ServerCancelTest, CancelAndDeadlineFreeBlocksAndAreCounted) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192"});
+  auto stub = Stub(*server);
+  const v1::GenerateRequest req = TokenRequest({5, 6, 7, 8}, 1800);
+  const Collected cancelled = Stream(*stub, req, /*cancel_after=*/3);
+  EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
+  auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == 1 &&
+           Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
+  });
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
+
+  const Collected late = Stream(*stub, req, -1, std::chrono::milliseconds(400));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_GT(late.tokens.size(), 0u) << "the deadline should pass mid-generation";
+  m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_requests_total{finish_reason=\"deadline\"}") == 1 &&
+           Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
+  });
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"deadline\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_usage_ratio"), 0);
+}
+
+TEST(ServerMetricsTest, FiftyRequestsAreAllInTheBooks) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "16384", "--max_num_seqs", "8"});
+  auto stub = Stub(*server);
+  std::atomic<int64_t> tokens_received{0}, prompt_sent{0};
+  std::atomic<int> ok{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 5; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 10; ++i) {
+        std::vector<int32_t> prompt(3 + (c * 10 + i) % 40, 65 + c);
+        v1::GenerateRequest req = TokenRequest(prompt, 20 + (c * 10 + i) % 60);
+        req.set_temperature(0);
+        prompt_sent += static_cast<int64_t>(prompt.size());
+        if (i % 2 == 0) {
+          grpc::ClientContext ctx;
+          v1::GenerateResponse resp;
+          if (stub->Generate(&ctx, req, &resp).ok()) ++ok;
+          tokens_received += resp.token_ids_size();
+        } else {
+          const Collected s = Stream(*stub, req);
+          if (s.status.ok()) ++ok;
+          tokens_received += static_cast<int64_t>(s.tokens.size());
+        }
+      }
+    });
+  }
+  // During the run: every metric is there, and nothing counted exceeds what the engine holds.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto during = testing::ParseMetrics(testing::Scrape(server->metrics_port()));
+  const int64_t received_then = tokens_received.load();
+  for (auto& t : clients) t.join();
+  const auto after = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_e2e_request_latency_seconds_count") == 50;
+  });
+  ASSERT_EQ(ok.load(), 50);
+  for (const auto* m : {&during, &after}) {
+    for (const char* name :
+         {"relgen_time_to_first_token_seconds_count", "relgen_time_per_output_token_seconds_count",
+          "relgen_e2e_request_latency_seconds_count", "relgen_request_queue_time_seconds_count",
+          "relgen_request_prompt_tokens_count", "relgen_request_generation_tokens_count", "relgen_batch_size_count",
+          "relgen_prompt_tokens_total", "relgen_generation_tokens_total", "relgen_requests_total{finish_reason=\"length\"}",
+          "relgen_preemptions_total", "relgen_num_requests_running", "relgen_num_requests_waiting",
+          "relgen_kv_cache_usage_ratio", "relgen_kv_cache_blocks{state=\"used\"}", "relgen_kv_cache_blocks{state=\"free\"}",
+          "relgen_device_memory_bytes{device=\"cpu\",kind=\"weights\"}",
+          "relgen_device_memory_bytes{device=\"cpu\",kind=\"kv_cache\"}", "process_resident_memory_bytes"}) {
+      EXPECT_GE(Metric(*m, name), 0) << name << (m == &during ? " (during)" : " (after)");
+    }
+  }
+  EXPECT_GE(Metric(during, "relgen_generation_tokens_total"), received_then);
+  EXPECT_GT(Metric(during, "relgen_num_requests_running") + Metric(during, "relgen_num_requests_waiting"), 0);
+  EXPECT_EQ(Metric(after, "relgen_generation_tokens_total"), tokens_received.load());
+  EXPECT_EQ(Metric(after, "relgen_prompt_tokens_total"), prompt_sent.load());
+  double requests = 0;
+  for (const char* r : {"length", "stop", "eos", "cancelled", "deadline", "error"}) {
+    requests += Metric(after, std::string("relgen_requests_total{finish_reason=\"") + r + "\"}");
+  }
+  EXPECT_EQ(requests, 50);
+  EXPECT_EQ(Metric(after, "relgen_requests_total{finish_reason=\"length\"}"), 50);
+  EXPECT_EQ(Metric(after, "relgen_time_to_first_token_seconds_count"), 50);
+  EXPECT_EQ(Metric(after, "relgen_request_generation_tokens_sum"), tokens_received.load());
+  EXPECT_EQ(Metric(after, "relgen_time_per_output_token_seconds_count"), tokens_received.load() - 50);
+  EXPECT_EQ(Metric(after, "relgen_num_requests_running"), 0);
+  EXPECT_EQ(Metric(after, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_EQ(Metric(after, "relgen_kv_cache_blocks{state=\"free\"}"), 1024);
+  EXPECT_GT(Metric(after, "relgen_batch_size_sum") / Metric(after, "relgen_batch_size_count"), 1.5) << "batching";
+}
+
+TEST(ServerLifecycleTest, SigtermDrainsUnderLoadAndExitsZero) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "32768", "--drain_grace_seconds", "2"});
+  auto stub = Stub(*server);
+  std::vector<std::future<Collected>> calls;
+  for (int i = 0; i < 6; ++i) {
+    // Short ones finish within the grace period; long ones are cut with UNAVAILABLE.
+    calls.push_back(std::async(std::launch::async, [&, i] {
+      return Stream(*stub, TokenRequest({1, 2, 3, i}, i < 3 ? 20 : 1900));
+    }));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto t0 = std::chrono::steady_clock::now();
+  server->Signal(SIGTERM);
+  int finished = 0, unavailable = 0;
+  for (auto& f : calls) {
+    const Collected c = f.get();
+    if (c.status.ok()) {
+      ++finished;
+    } else {
+      EXPECT_EQ(c.status.error_code(), grpc::StatusCode::UNAVAILABLE) << c.status.error_message();
+      ++unavailable;
+    }
+  }
+  std::string output;
+  EXPECT_EQ(server->Wait(&output), 0) << output;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 2.0 + 3.0) << "exit within the grace period (+ shutdown)";
+  EXPECT_GE(finished, 3);
+  EXPECT_GE(unavailable, 1);
+  EXPECT_THAT(output, HasSubstr("draining"));
+}
+
+TEST(ServerLifecycleTest, BadModelExitsNonZeroWithTheLoadersMessage) {
+  const std::string dir = testing::TempDir("badmodel");
+  std::system(("cp -r '" + ModelDir("none") + "/.' '" + dir + "'").c_str());
+  std::string cfg = testing::ReadFile(dir + "/config.json");
+  cfg.replace(cfg.find("\"none\""), 6, "\"rope\"");
+  testing::WriteFile(dir + "/config.json", cfg);
+  testing::ServerProcess p;
+  std::string error;
+  EXPECT_FALSE(p.Start({"--model", dir}, &error));
+  std::string output;
+  EXPECT_EQ(p.Wait(&output), 1);
+  EXPECT_THAT(error, HasSubstr("cannot load model"));
+  EXPECT_THAT(error, HasSubstr("'relative_attention.scheme' is \"rope\""));
+}
+
+}  // namespace
+}  // namespace relgen
