@@ -420,6 +420,10 @@ TEST(ServerLifecycleTest, SigtermDrainsUnderLoadAndExitsZero) {
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   const auto t0 = std::chrono::steady_clock::now();
   server->Signal(SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Draining: health says NOT_SERVING (2) and new work is refused.
+  EXPECT_EQ(GenericUnary(server->address(), "/grpc.health.v1.Health/Check", ""), std::string("\x08\x02", 2));
+  EXPECT_EQ(Stream(*stub, TokenRequest({1}, 5)).status.error_code(), grpc::StatusCode::UNAVAILABLE);
   int finished = 0, unavailable = 0;
   for (auto& f : calls) {
     const Collected c = f.get();
@@ -437,6 +441,28 @@ TEST(ServerLifecycleTest, SigtermDrainsUnderLoadAndExitsZero) {
   EXPECT_GE(finished, 3);
   EXPECT_GE(unavailable, 1);
   EXPECT_THAT(output, HasSubstr("draining"));
+}
+
+TEST(ServerTlsTest, ServesOverTls) {
+  const std::string dir = testing::TempDir("tls");
+  ASSERT_EQ(std::system(("openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=localhost "
+                         "-addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout '" + dir + "/key.pem' -out '" +
+                         dir + "/cert.pem' 2>/dev/null").c_str()),
+            0);
+  auto server = StartServer({"--model", ModelDir("none"), "--kv_cache_tokens", "4096", "--tls_cert", dir + "/cert.pem",
+                             "--tls_key", dir + "/key.pem"});
+  EXPECT_THAT(server->startup_output(), HasSubstr("(TLS)"));
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = testing::ReadFile(dir + "/cert.pem");
+  auto tls = v1::GenerationService::NewStub(grpc::CreateChannel(server->address(), grpc::SslCredentials(ssl)));
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(tls->Generate(&ctx, TokenRequest({1, 2}, 3), &resp).ok());
+  EXPECT_EQ(resp.token_ids_size(), 3);
+  // A plaintext client cannot talk to it.
+  grpc::ClientContext plain_ctx;
+  plain_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  EXPECT_FALSE(Stub(*server)->Generate(&plain_ctx, TokenRequest({1, 2}, 3), &resp).ok());
 }
 
 TEST(ServerLifecycleTest, BadModelExitsNonZeroWithTheLoadersMessage) {

@@ -18,7 +18,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libopenblas0-pthread
   nlohmann-json3-dev libsentencepiece-dev
-  python3 python3-torch python3-numpy
+  python3 python3-torch python3-numpy openssl curl
 )
 missing=()
 for p in "${packages[@]}"; do
