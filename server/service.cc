@@ -62,36 +62,55 @@ bool DeadlinePassed(grpc::CallbackServerContext* ctx) {
          std::chrono::system_clock::now() + kMargin >= ctx->deadline();
 }
 
-// Lifetime: the engine may signal a call (from its thread) until the call's final output was
-// delivered; the signal reaches the reactor only through this guard, which OnDone disarms.
-template <typename Reactor>
-struct Guard {
-  std::recursive_mutex mu;
-  Reactor* reactor = nullptr;
-};
-
-class UnaryCall final : public grpc::ServerUnaryReactor {
+// What both call kinds share. Lifetime: the engine may signal a call (from its thread) until the
+// call's final output is delivered; the signal reaches the reactor only through the guard, which
+// OnDone disarms before the reactor is deleted. Derived::Pump runs with the guard held.
+template <typename Derived, typename Reactor>
+class Call : public Reactor {
  public:
-  UnaryCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
-            v1::GenerateResponse* resp)
-      : service_(service), ctx_(ctx), handle_(std::move(handle)), resp_(resp), guard_(std::make_shared<Guard<UnaryCall>>()) {
-    guard_->reactor = this;
-    handle_->SetListener([g = guard_] {
-      std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->reactor != nullptr) g->reactor->Pump();
-    });
-  }
+  Call(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle)
+      : service_(service), ctx_(ctx), handle_(std::move(handle)), guard_(std::make_shared<Guard>()) {}
+
   void OnCancel() override { handle_->Cancel(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled); }
   void OnDone() override {
     {
       std::lock_guard<std::recursive_mutex> lock(guard_->mu);
-      guard_->reactor = nullptr;
+      guard_->call = nullptr;
     }
     service_->CallDone();
     delete this;
   }
 
- private:
+ protected:
+  struct Guard {
+    std::recursive_mutex mu;
+    Derived* call = nullptr;
+  };
+  // Called by Derived's constructor once it is complete: output may be readable already.
+  void Arm() {
+    guard_->call = static_cast<Derived*>(this);
+    handle_->SetListener([g = guard_] {
+      std::lock_guard<std::recursive_mutex> lock(g->mu);
+      if (g->call != nullptr) g->call->Pump();
+    });
+  }
+
+  GenerationService* service_;
+  grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<RequestHandle> handle_;
+  std::shared_ptr<Guard> guard_;
+  bool finished_ = false;
+};
+
+class UnaryCall final : public Call<UnaryCall, grpc::ServerUnaryReactor> {
+ public:
+  UnaryCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
+            v1::GenerateResponse* resp)
+      : Call(service, ctx, std::move(handle)), resp_(resp) {
+    Arm();
+  }
+
+  // Collects everything readable; answers once the final output is in.
   void Pump() {
     if (finished_) return;
     Output o;
@@ -109,26 +128,18 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
     }
   }
 
-  GenerationService* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<RequestHandle> handle_;
+ private:
   v1::GenerateResponse* resp_;
-  std::shared_ptr<Guard<UnaryCall>> guard_;
-  bool finished_ = false;
 };
 
-class StreamCall final : public grpc::ServerWriteReactor<v1::GenerateStreamResponse> {
+class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::GenerateStreamResponse>> {
  public:
   StreamCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
              std::string request_id)
-      : service_(service), ctx_(ctx), handle_(std::move(handle)), request_id_(std::move(request_id)),
-        guard_(std::make_shared<Guard<StreamCall>>()) {
-    guard_->reactor = this;
-    handle_->SetListener([g = guard_] {
-      std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->reactor != nullptr) g->reactor->Pump();
-    });
+      : Call(service, ctx, std::move(handle)), request_id_(std::move(request_id)) {
+    Arm();
   }
+
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::recursive_mutex> lock(guard_->mu);
     writing_ = false;
@@ -142,18 +153,8 @@ class StreamCall final : public grpc::ServerWriteReactor<v1::GenerateStreamRespo
     }
     Pump();
   }
-  void OnCancel() override { handle_->Cancel(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled); }
-  void OnDone() override {
-    {
-      std::lock_guard<std::recursive_mutex> lock(guard_->mu);
-      guard_->reactor = nullptr;
-    }
-    service_->CallDone();
-    delete this;
-  }
 
- private:
-  // Writes what is readable, one message at a time. Called with the guard held.
+  // Writes what is readable, one message at a time.
   void Pump() {
     if (writing_ || finished_) return;
     Output o;
@@ -178,14 +179,10 @@ class StreamCall final : public grpc::ServerWriteReactor<v1::GenerateStreamRespo
     StartWriteAndFinish(&msg_, grpc::WriteOptions(), status);
   }
 
-  GenerationService* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<RequestHandle> handle_;
+ private:
   std::string request_id_;
-  std::shared_ptr<Guard<StreamCall>> guard_;
   v1::GenerateStreamResponse msg_;
   bool writing_ = false;
-  bool finished_ = false;
 };
 
 }  // namespace
