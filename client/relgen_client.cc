@@ -1,0 +1,131 @@
+// relgen-client: generate text or read model info from a relgen-server, from the shell.
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "client/request_flags.h"
+#include "relgen/v1/generation.grpc.pb.h"
+
+namespace relgen::client {
+namespace {
+
+constexpr int kUsageExit = 64;
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(m, &out, opts).ok()) out = "{}";
+  return out;
+}
+
+int Failed(const grpc::Status& s, const std::string& server) {
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    std::fprintf(stderr, "relgen-client: cannot reach relgen-server at %s: %s\n", server.c_str(), s.error_message().c_str());
+  } else {
+    std::fprintf(stderr, "relgen-client: %s (status %d)\n", s.error_message().c_str(), static_cast<int>(s.error_code()));
+  }
+  return static_cast<int>(s.error_code());
+}
+
+const char* FinishName(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_LENGTH: return "length";
+    case v1::FINISH_REASON_STOP: return "stop";
+    case v1::FINISH_REASON_EOS: return "eos";
+    default: return "unspecified";
+  }
+}
+
+int Main(int argc, char** argv) {
+  ClientOptions o;
+  const std::string error = ParseArgs(std::vector<std::string>(argv + 1, argv + argc), &o);
+  if (!error.empty()) {
+    std::fprintf(stderr, "relgen-client: %s\n\n%s", error.c_str(), Usage().c_str());
+    return kUsageExit;
+  }
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!o.tls_ca.empty()) {
+    std::ifstream in(o.tls_ca);
+    if (!in) {
+      std::fprintf(stderr, "relgen-client: cannot read --tls_ca %s\n", o.tls_ca.c_str());
+      return kUsageExit;
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = ss.str();
+    creds = grpc::SslCredentials(ssl);
+  }
+  auto stub = v1::GenerationService::NewStub(grpc::CreateChannel(o.server, creds));
+  grpc::ClientContext ctx;
+  if (o.timeout_seconds > 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(static_cast<int64_t>(o.timeout_seconds * 1e6)));
+  }
+
+  if (o.command == "info") {
+    v1::ModelInfo info;
+    const grpc::Status s = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
+    if (!s.ok()) return Failed(s, o.server);
+    if (o.json) {
+      std::printf("%s\n", Json(info).c_str());
+    } else {
+      std::printf("model %s: %s relative attention, %d layers, d_model %d, %d heads x %d, ffn %d, vocab %d, "
+                  "context %d, %lld parameters (%s), tokenizer %s, on %s, KV cache %lld tokens\n",
+                  info.name().c_str(), info.relative_attention().scheme().c_str(), info.n_layers(), info.d_model(),
+                  info.n_heads(), info.head_dim(), info.ffn_dim(), info.vocab_size(), info.max_seq_len(),
+                  static_cast<long long>(info.num_parameters()), info.weights_dtype().c_str(), info.tokenizer().c_str(),
+                  info.device().c_str(), static_cast<long long>(info.kv_cache_tokens()));
+    }
+    return 0;
+  }
+
+  if (!o.prompt_given) {
+    std::stringstream ss;
+    ss << std::cin.rdbuf();
+    o.request.set_text(ss.str());
+  }
+  if (!o.stream) {
+    v1::GenerateResponse resp;
+    const grpc::Status s = stub->Generate(&ctx, o.request, &resp);
+    if (!s.ok()) return Failed(s, o.server);
+    if (o.json) {
+      std::printf("%s\n", Json(resp).c_str());
+    } else {
+      std::printf("%s\n", resp.text().c_str());
+    }
+    return 0;
+  }
+  auto reader = stub->GenerateStream(&ctx, o.request);
+  v1::GenerateStreamResponse m;
+  while (reader->Read(&m)) {
+    if (o.json) {
+      std::printf("%s\n", Json(m).c_str());
+    } else {
+      std::fwrite(m.text_delta().data(), 1, m.text_delta().size(), stdout);
+      if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+        std::printf("\n");
+        std::fprintf(stderr, "[%s: %d prompt + %d generated tokens, first token %.3f s, total %.3f s]\n",
+                     FinishName(m.finish_reason()), m.usage().prompt_tokens(), m.usage().generated_tokens(),
+                     m.timing().time_to_first_token_seconds(), m.timing().total_seconds());
+      }
+    }
+    std::fflush(stdout);
+  }
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) {
+    std::printf("\n");
+    return Failed(s, o.server);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace relgen::client
+
+int main(int argc, char** argv) { return relgen::client::Main(argc, argv); }

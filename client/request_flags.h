@@ -1,0 +1,37 @@
+// relgen-client's command line: one flag per GenerateRequest field, parsed without globals so the
+// mapping can be tested. Thread-safety: pure functions.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "relgen/v1/generation.pb.h"
+
+namespace relgen::client {
+
+struct ClientOptions {
+  std::string command;  // generate | info
+  std::string server = "localhost:50051";
+  bool stream = false;
+  bool json = false;
+  double timeout_seconds = 0;  // 0: no deadline
+  std::string tls_ca;          // PEM roots: connect with TLS
+  bool prompt_given = false;   // --prompt, --token_ids or positional words
+  v1::GenerateRequest request;
+};
+
+// Flag -> the GenerateRequest field it sets (field names as in the proto).
+struct FieldFlag {
+  const char* flag;
+  const char* field;
+  const char* help;
+};
+const std::vector<FieldFlag>& RequestFlags();
+
+// Parses argv (without the program name). Positional words after the command form the prompt.
+// Returns an empty string on success, else what is wrong (for a usage message).
+std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out);
+
+std::string Usage();
+
+}  // namespace relgen::client

@@ -1,0 +1,181 @@
+// relgen-client: its flags against the proto, and the binary against a live server.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <set>
+
+#include "client/request_flags.h"
+#include "tests/server_process.h"
+#include "tests/test_util.h"
+
+namespace relgen {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Every GenerateRequest field has exactly one flag, and each flag sets exactly its field.
+TEST(ClientFlagsTest, OneFlagPerRequestField) {
+  const auto* desc = v1::GenerateRequest::descriptor();
+  std::set<std::string> fields, flagged;
+  for (int i = 0; i < desc->field_count(); ++i) fields.insert(desc->field(i)->name());
+  for (const auto& f : client::RequestFlags()) {
+    EXPECT_TRUE(fields.contains(f.field)) << f.flag << " names no field " << f.field;
+    EXPECT_TRUE(flagged.insert(f.field).second) << "two flags for " << f.field;
+  }
+  EXPECT_EQ(flagged, fields);
+
+  const std::map<std::string, std::string> sample = {
+      {"--request_id", "abc"}, {"--prompt", "hello"}, {"--token_ids", "1,2,3"}, {"--max_new_tokens", "7"},
+      {"--temperature", "0.5"}, {"--top_k", "9"}, {"--top_p", "0.75"}, {"--repetition_penalty", "1.25"},
+      {"--seed", "42"}, {"--stop", "END"}, {"--stop_token_id", "13"}, {"--logprobs", "2"}, {"--ignore_eos", ""}};
+  for (const auto& f : client::RequestFlags()) {
+    client::ClientOptions o;
+    std::vector<std::string> args = {"generate", f.flag};
+    if (!sample.at(f.flag).empty()) args.push_back(sample.at(f.flag));
+    ASSERT_EQ(client::ParseArgs(args, &o), "") << f.flag;
+    std::vector<const google::protobuf::FieldDescriptor*> set;
+    o.request.GetReflection()->ListFields(o.request, &set);
+    ASSERT_EQ(set.size(), 1u) << f.flag;
+    EXPECT_EQ(set[0]->name(), f.field) << f.flag;
+  }
+  client::ClientOptions o;
+  ASSERT_EQ(client::ParseArgs({"generate", "--stop", "a", "--stop=b", "--stop_token_id", "3", "--stop_token_id", "4",
+                               "--token_ids", "5,6", "--seed", "18446744073709551615", "--temperature=0"},
+                              &o),
+            "");
+  EXPECT_THAT(o.request.stop(), ::testing::ElementsAre("a", "b"));
+  EXPECT_THAT(o.request.stop_token_ids(), ::testing::ElementsAre(3, 4));
+  EXPECT_THAT(o.request.token_ids().ids(), ::testing::ElementsAre(5, 6));
+  EXPECT_EQ(o.request.seed(), 18446744073709551615ull);
+  EXPECT_TRUE(o.request.has_temperature());
+  EXPECT_EQ(o.request.temperature(), 0.0f);
+  EXPECT_FALSE(o.request.has_top_p()) << "unset flags leave fields unset (server defaults apply)";
+}
+
+TEST(ClientFlagsTest, UsageErrors) {
+  client::ClientOptions o;
+  EXPECT_THAT(client::ParseArgs({}, &o), HasSubstr("a command is required"));
+  EXPECT_THAT(client::ParseArgs({"make"}, &o), HasSubstr("unknown command 'make'"));
+  EXPECT_THAT(client::ParseArgs({"generate", "--top_k", "x"}, &o), HasSubstr("--top_k x: expected an integer"));
+  EXPECT_THAT(client::ParseArgs({"generate", "--nope", "1"}, &o), HasSubstr("unknown flag --nope"));
+  EXPECT_THAT(client::ParseArgs({"generate", "--prompt", "a", "b"}, &o), HasSubstr("give the prompt once"));
+  EXPECT_THAT(client::ParseArgs({"generate", "--seed"}, &o), HasSubstr("--seed needs a value"));
+}
+
+struct ClientRun {
+  int exit_code = -1;
+  std::string out, err;
+  double first_output_s = -1, total_s = 0;
+  int stdout_reads = 0;
+};
+
+// Runs relgen-client with `args`, feeding `input` on stdin, timing when stdout first has data.
+ClientRun RunClient(const std::vector<std::string>& args, const std::string& input = "") {
+  int in[2], out[2], err[2];
+  EXPECT_EQ(pipe(in), 0);
+  EXPECT_EQ(pipe(out), 0);
+  EXPECT_EQ(pipe(err), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    dup2(err[1], 2);
+    close(in[1]);
+    close(out[0]);
+    close(err[0]);
+    std::vector<std::string> all = {std::getenv("RELGEN_CLIENT_BIN")};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  close(err[1]);
+  if (!input.empty()) EXPECT_EQ(write(in[1], input.data(), input.size()), static_cast<ssize_t>(input.size()));
+  close(in[1]);
+  ClientRun r;
+  std::thread errs([&] {
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(err[0], buf, sizeof(buf))) > 0) r.err.append(buf, n);
+  });
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(out[0], buf, sizeof(buf))) > 0) {
+    if (r.first_output_s < 0) {
+      r.first_output_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    ++r.stdout_reads;
+    r.out.append(buf, n);
+  }
+  errs.join();
+  int status = 0;
+  waitpid(pid, &status, 0);
+  r.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  close(out[0]);
+  close(err[0]);
+  return r;
+}
+
+class ClientBinaryTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new testing::ServerProcess();
+    std::string error;
+    ASSERT_TRUE(server_->Start({"--model", testing::GoldenDir() + "/engine/server", "--kv_cache_tokens", "8192"}, &error))
+        << error;
+  }
+  static void TearDownTestSuite() { delete server_; }
+  static testing::ServerProcess* server_;
+};
+testing::ServerProcess* ClientBinaryTest::server_ = nullptr;
+
+TEST_F(ClientBinaryTest, StreamingPrintsIncrementally) {
+  const ClientRun r = RunClient({"generate", "--server", server_->address(), "--stream", "--max_new_tokens", "600",
+                           "--temperature", "0", "--ignore_eos", "--prompt", "Once"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_GT(r.stdout_reads, 3);
+  EXPECT_LT(r.first_output_s + 0.3, r.total_s) << "the first text should arrive well before the end";
+  EXPECT_THAT(r.err, HasSubstr("[length: 5 prompt + 600 generated tokens"));
+  // The same request, unary: the same text.
+  const ClientRun u = RunClient({"generate", "--server", server_->address(), "--max_new_tokens", "600", "--temperature", "0",
+                           "--ignore_eos", "--prompt", "Once"});
+  ASSERT_EQ(u.exit_code, 0);
+  EXPECT_EQ(u.out, r.out);
+}
+
+TEST_F(ClientBinaryTest, ExitCodesFollowTheStatus) {
+  ClientRun r = RunClient({"generate", "--server", server_->address(), "--temperature", "-1", "--prompt", "x"});
+  EXPECT_EQ(r.exit_code, 3);  // INVALID_ARGUMENT
+  EXPECT_THAT(r.err, HasSubstr("temperature: -1; allowed 0..100"));
+  r = RunClient({"generate", "--server", server_->address(), "--timeout", "0.2", "--max_new_tokens", "1900",
+                 "--ignore_eos", "--prompt", "x"});
+  EXPECT_EQ(r.exit_code, 4);  // DEADLINE_EXCEEDED
+  r = RunClient({"generate", "--server", "127.0.0.1:1", "--timeout", "3", "--prompt", "x"});
+  EXPECT_EQ(r.exit_code, 14);  // UNAVAILABLE
+  EXPECT_THAT(r.err, HasSubstr("cannot reach relgen-server at 127.0.0.1:1"));
+  r = RunClient({"generate", "--bogus"});
+  EXPECT_EQ(r.exit_code, 64);
+  EXPECT_THAT(r.err, HasSubstr("usage: relgen-client"));
+}
+
+TEST_F(ClientBinaryTest, PromptFromStdinJsonAndInfo) {
+  const ClientRun r = RunClient({"generate", "--server", server_->address(), "--json", "--max_new_tokens", "5",
+                           "--temperature", "0", "--ignore_eos"},
+                          "from stdin");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"prompt_tokens\":11"));  // BOS + 10 bytes
+  EXPECT_THAT(r.out, HasSubstr("\"generated_tokens\":5"));
+  const ClientRun info = RunClient({"info", "--server", server_->address()});
+  ASSERT_EQ(info.exit_code, 0) << info.err;
+  EXPECT_THAT(info.out, HasSubstr("model engine-server: skew relative attention, 4 layers, d_model 256"));
+}
+
+}  // namespace
+}  // namespace relgen
