@@ -1,0 +1,138 @@
+"""A small typed wrapper over relgen.v1.GenerationService (unary and streaming)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Union
+
+import grpc
+
+from relgen.v1 import generation_pb2 as pb
+from relgen.v1 import generation_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "Completion", "Chunk", "TokenLogprob", "RelgenError"]
+
+_FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
+
+
+class RelgenError(Exception):
+    """A call that ended with a gRPC error; `code` is the status name, e.g. "INVALID_ARGUMENT"."""
+
+    def __init__(self, code: str, details: str):
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: List["TokenLogprob"] = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token_s: float
+    total_s: float
+    logprobs: List[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Chunk:
+    """Part of a stream; the last one has finish_reason set and the usage and timing filled."""
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    total_s: float = 0.0
+    logprobs: List[TokenLogprob] = field(default_factory=list)
+
+
+def _logprobs(infos) -> List[TokenLogprob]:
+    return [TokenLogprob(i.token_id, i.logprob, [TokenLogprob(a.token_id, a.logprob, text=a.text) for a in i.top_logprobs])
+            for i in infos]
+
+
+class Client:
+    """Connects to a relgen-server. `tls_ca`: PEM roots to connect with TLS; `timeout`: default
+    per-call deadline in seconds."""
+
+    def __init__(self, target: str = "localhost:50051", *, tls_ca: Optional[bytes] = None,
+                 timeout: Optional[float] = None):
+        if tls_ca is not None:
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca))
+        else:
+            self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _request(prompt: Union[str, Sequence[int]], *, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
+                 repetition_penalty=None, seed=None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                 logprobs=None, ignore_eos: bool = False, request_id: str = "") -> pb.GenerateRequest:
+        r = pb.GenerateRequest(request_id=request_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                               ignore_eos=ignore_eos)
+        if isinstance(prompt, str):
+            r.text = prompt
+        else:
+            r.token_ids.ids.extend(int(t) for t in prompt)
+        for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
+                            ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
+                            ("logprobs", logprobs)):
+            if value is not None:
+                setattr(r, name, value)
+        return r
+
+    def generate(self, prompt: Union[str, Sequence[int]], *, timeout: Optional[float] = None, **params) -> Completion:
+        """Generates the whole continuation. `params` are the GenerateRequest fields."""
+        try:
+            resp = self._stub.Generate(self._request(prompt, **params), timeout=timeout or self._timeout)
+        except grpc.RpcError as e:
+            raise RelgenError(e.code().name, e.details()) from None
+        return Completion(resp.request_id, resp.text, list(resp.token_ids), _FINISH.get(resp.finish_reason, "unspecified"),
+                          resp.usage.prompt_tokens, resp.usage.generated_tokens,
+                          resp.timing.time_to_first_token_seconds, resp.timing.total_seconds, _logprobs(resp.logprobs))
+
+    def stream(self, prompt: Union[str, Sequence[int]], *, timeout: Optional[float] = None, **params) -> Iterator[Chunk]:
+        """Yields the continuation as it is generated; closing the iterator cancels the request."""
+        call = self._stub.GenerateStream(self._request(prompt, **params), timeout=timeout or self._timeout)
+        try:
+            for m in call:
+                c = Chunk(m.text_delta, list(m.token_ids), logprobs=_logprobs(m.logprobs))
+                if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    c.finish_reason = _FINISH.get(m.finish_reason, "unspecified")
+                    c.prompt_tokens, c.generated_tokens = m.usage.prompt_tokens, m.usage.generated_tokens
+                    c.time_to_first_token_s, c.total_s = m.timing.time_to_first_token_seconds, m.timing.total_seconds
+                yield c
+        except grpc.RpcError as e:
+            raise RelgenError(e.code().name, e.details()) from None
+        finally:
+            call.cancel()
+
+    def info(self) -> dict:
+        """The served model and the server's limits."""
+        from google.protobuf.json_format import MessageToDict
+
+        try:
+            info = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise RelgenError(e.code().name, e.details()) from None
+        return MessageToDict(info, preserving_proto_field_name=True)

@@ -1,0 +1,82 @@
+"""The pip-installed Python client against a live relgen-server (run by CTest with the venv's
+python; RELGEN_SERVER_BIN and RELGEN_GOLDEN_DIR set)."""
+import os
+import re
+import subprocess
+import sys
+import unittest
+
+import relgen_client
+from relgen_client import Client, RelgenError
+
+SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PythonClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        assert not relgen_client.__file__.startswith(os.path.join(SOURCE, "client")), "not the installed package"
+        model = os.path.join(os.environ["RELGEN_GOLDEN_DIR"], "engine", "skew")
+        cls.server = subprocess.Popen(
+            [os.environ["RELGEN_SERVER_BIN"], "--model", model, "--listen", "127.0.0.1:0", "--metrics_listen",
+             "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in cls.server.stdout:
+            m = re.search(r"gRPC on (127\.0\.0\.1:\d+)", line)
+            if m:
+                cls.address = m.group(1)
+                break
+        else:
+            raise RuntimeError("relgen-server did not start")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.terminate()
+        cls.server.wait(timeout=30)
+
+    def test_generate_and_stream_agree(self):
+        with Client(self.address, timeout=30) as c:
+            done = c.generate([10, 20, 30], max_new_tokens=25, temperature=0, ignore_eos=True, logprobs=1)
+            self.assertEqual(done.finish_reason, "length")
+            self.assertEqual(done.generated_tokens, 25)
+            self.assertEqual(len(done.token_ids), 25)
+            self.assertEqual(len(done.logprobs), 25)
+            self.assertEqual(done.logprobs[0].token_id, done.logprobs[0].top[0].token_id)
+            chunks = list(c.stream([10, 20, 30], max_new_tokens=25, temperature=0, ignore_eos=True))
+            self.assertGreater(len(chunks), 1)
+            self.assertEqual([t for ch in chunks for t in ch.token_ids], done.token_ids)
+            self.assertEqual("".join(ch.text for ch in chunks), done.text)
+            self.assertEqual(chunks[-1].finish_reason, "length")
+            self.assertEqual(chunks[-1].prompt_tokens, 3)
+
+    def test_seeded_sampling_repeats(self):
+        with Client(self.address) as c:
+            a = c.generate("relgen", max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
+            b = c.generate("relgen", max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
+            self.assertEqual(a.token_ids, b.token_ids)
+
+    def test_errors_carry_the_status(self):
+        with Client(self.address) as c:
+            with self.assertRaises(RelgenError) as e:
+                c.generate("x", top_p=1.5)
+            self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+            self.assertIn("top_p", e.exception.details)
+        with self.assertRaises(RelgenError) as e:
+            Client("127.0.0.1:1", timeout=3).generate("x")
+        self.assertEqual(e.exception.code, "UNAVAILABLE")
+
+    def test_info(self):
+        with Client(self.address) as c:
+            info = c.info()
+        self.assertEqual(info["name"], "engine-skew")
+        self.assertEqual(info["relative_attention"]["scheme"], "skew")
+
+    def test_example_runs(self):
+        out = subprocess.run([sys.executable, os.path.join(SOURCE, "client", "python", "examples", "generate.py"),
+                              "--server", self.address, "--max-new-tokens", "8", "hello"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        self.assertIn("model: engine-skew", out)
+        self.assertIn("error: INVALID_ARGUMENT - temperature", out)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
