@@ -177,5 +177,40 @@ TEST_F(ClientBinaryTest, PromptFromStdinJsonAndInfo) {
   EXPECT_THAT(info.out, HasSubstr("model engine-server: skew relative attention, 4 layers, d_model 256"));
 }
 
+// relgen-bench serve against the live server: open loop at two rates, then closed loop.
+TEST_F(ClientBinaryTest, ServeBenchWritesJsonAndPng) {
+  const std::string dir = testing::TempDir("servebench");
+  auto bench = [&](std::vector<std::string> args) {
+    std::vector<std::string> all = {"serve", "--server", server_->address(), "--num_requests", "12", "--prompt_len", "16",
+                                    "--output_len", "8", "--json", dir + "/r.json", "--png", dir + "/r.png"};
+    all.insert(all.end(), args.begin(), args.end());
+    setenv("RELGEN_CLIENT_BIN", std::getenv("RELGEN_BENCH_BIN"), 1);
+    const ClientRun r = RunClient(all);
+    setenv("RELGEN_CLIENT_BIN", std::getenv("RELGEN_CLIENT_BIN_SAVED"), 1);
+    return r;
+  };
+  setenv("RELGEN_CLIENT_BIN_SAVED", std::getenv("RELGEN_CLIENT_BIN"), 1);
+  ClientRun r = bench({"--rates", "20,40"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const nlohmann::json j = testing::ReadJson(dir + "/r.json");
+  ASSERT_EQ(j["results"].size(), 2u);
+  for (const auto& row : j["results"]) {
+    EXPECT_EQ(row["completed"], 12);
+    EXPECT_EQ(row["failed"], 0);
+    for (const char* k : {"ttft_s", "tpot_s", "itl_s", "e2e_s"}) {
+      EXPECT_GT(row[k]["p50"].get<double>(), 0) << k;
+      EXPECT_LE(row[k]["p50"].get<double>(), row[k]["p99"].get<double>()) << k;
+    }
+    EXPECT_GT(row["output_token_throughput"].get<double>(), 0);
+    EXPECT_LE(row["goodput"].get<double>(), row["request_throughput"].get<double>() + 1e-9);
+  }
+  const std::string png = testing::ReadFile(dir + "/r.png");
+  ASSERT_GT(png.size(), 1000u);
+  EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  r = bench({"--concurrency", "4"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(testing::ReadJson(dir + "/r.json")["results"][0]["concurrency"], 4);
+}
+
 }  // namespace
 }  // namespace relgen

@@ -1,6 +1,8 @@
 // relgen-bench: engine micro-benchmarks (and, later, the serving load generator).
 //   relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]
 //   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0]
+//   relgen-bench engine --model DIR ...   (relgen vs the PyTorch reference, with rooflines)
+//   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -8,6 +10,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "tools/bench/batching_bench.h"
+#include "tools/bench/engine_bench.h"
+#include "tools/bench/serve_bench.h"
 #include "tools/bench/memory_bench.h"
 
 namespace {
@@ -15,8 +19,24 @@ namespace {
 int Usage() {
   std::fprintf(stderr,
                "usage: relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]\n"
-               "       relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0]\n");
-  return 2;
+               "       relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0]\n"
+               "       relgen-bench engine --model DIR [--batches 1,16] [--contexts 512] [--steps 16] [--threads 0]\n"
+               "                           [--no_torch] [--json FILE]\n"
+               "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
+               "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
+               "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
+               "                          [--json FILE] [--png FILE]\n");
+  return 64;
+}
+
+bool Ints(const std::string& v, std::vector<int>* out) {
+  out->clear();
+  for (absl::string_view part : absl::StrSplit(v, ',')) {
+    int x;
+    if (!absl::SimpleAtoi(part, &x) || x < 1) return false;
+    out->push_back(x);
+  }
+  return !out->empty();
 }
 
 }  // namespace
@@ -24,41 +44,91 @@ int Usage() {
 int main(int argc, char** argv) {
   if (argc < 2) return Usage();
   const std::string cmd = argv[1];
+  std::vector<std::pair<std::string, std::string>> flags;
+  for (int i = 2; i < argc; ++i) {
+    std::string f = argv[i];
+    if (f.rfind("--", 0) != 0) return Usage();
+    if (f == "--no_torch") {
+      flags.push_back({f, ""});
+    } else if (i + 1 < argc) {
+      flags.push_back({f, argv[++i]});
+    } else {
+      return Usage();
+    }
+  }
+  if (cmd == "memory") {
+    std::vector<int> lengths = {512, 1024, 2048};
+    int d_model = 512, heads = 8;
+    for (auto& [f, v] : flags) {
+      if (f == "--lengths" ? !Ints(v, &lengths)
+          : f == "--d_model" ? !absl::SimpleAtoi(v, &d_model)
+          : f == "--heads" ? !absl::SimpleAtoi(v, &heads) : true) {
+        return Usage();
+      }
+    }
+    if (d_model < 1 || heads < 1 || d_model % heads) return Usage();
+    return relgen::bench::RunMemoryBench(lengths, d_model, heads);
+  }
   if (cmd == "batching") {
     std::string model;
     int sequences = 16, prompt = 16, fresh = 128, threads = 0;
-    for (int i = 2; i + 1 < argc; i += 2) {
-      const std::string flag = argv[i], value = argv[i + 1];
-      int* target = flag == "--sequences" ? &sequences : flag == "--prompt" ? &prompt : flag == "--new" ? &fresh
-                  : flag == "--threads" ? &threads : nullptr;
-      if (flag == "--model") {
-        model = value;
-      } else if (target == nullptr || !absl::SimpleAtoi(value, target) || *target < 0) {
+    for (auto& [f, v] : flags) {
+      int* target = f == "--sequences" ? &sequences : f == "--prompt" ? &prompt : f == "--new" ? &fresh
+                  : f == "--threads" ? &threads : nullptr;
+      if (f == "--model") {
+        model = v;
+      } else if (target == nullptr || !absl::SimpleAtoi(v, target) || *target < 0) {
         return Usage();
       }
     }
     if (model.empty() || sequences < 1 || prompt < 1 || fresh < 1) return Usage();
     return relgen::bench::RunBatchingBench(model, sequences, prompt, fresh, threads);
   }
-  if (cmd != "memory") return Usage();
-  std::vector<int> lengths = {512, 1024, 2048};
-  int d_model = 512, heads = 8;
-  for (int i = 2; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--lengths") {
-      lengths.clear();
-      for (absl::string_view part : absl::StrSplit(value, ',')) {
-        int v;
-        if (!absl::SimpleAtoi(part, &v) || v < 1) return Usage();
-        lengths.push_back(v);
-      }
-    } else if (flag == "--d_model") {
-      if (!absl::SimpleAtoi(value, &d_model) || d_model < 1) return Usage();
-    } else if (flag == "--heads") {
-      if (!absl::SimpleAtoi(value, &heads) || heads < 1 || d_model % heads) return Usage();
-    } else {
-      return Usage();
+  if (cmd == "engine") {
+    relgen::bench::EngineBenchOptions o;
+    for (auto& [f, v] : flags) {
+      bool ok = true;
+      if (f == "--model") o.model = v;
+      else if (f == "--batches") ok = Ints(v, &o.batches);
+      else if (f == "--contexts") ok = Ints(v, &o.contexts);
+      else if (f == "--steps") ok = absl::SimpleAtoi(v, &o.steps) && o.steps > 0;
+      else if (f == "--threads") ok = absl::SimpleAtoi(v, &o.threads) && o.threads >= 0;
+      else if (f == "--no_torch") o.torch = false;
+      else if (f == "--json") o.json_out = v;
+      else ok = false;
+      if (!ok) return Usage();
     }
+    if (o.model.empty()) return Usage();
+    return relgen::bench::RunEngineBench(o);
   }
-  return relgen::bench::RunMemoryBench(lengths, d_model, heads);
+  if (cmd == "serve") {
+    relgen::bench::ServeOptions o;
+    for (auto& [f, v] : flags) {
+      bool ok = true;
+      if (f == "--server") o.server = v;
+      else if (f == "--rates") {
+        o.rates.clear();
+        for (absl::string_view part : absl::StrSplit(v, ',')) {
+          double r;
+          ok = ok && absl::SimpleAtod(part, &r) && r > 0;
+          o.rates.push_back(r);
+        }
+      } else if (f == "--concurrency") ok = absl::SimpleAtoi(v, &o.concurrency) && o.concurrency > 0;
+      else if (f == "--num_requests") ok = absl::SimpleAtoi(v, &o.num_requests) && o.num_requests > 0;
+      else if (f == "--prompt_len") ok = absl::SimpleAtoi(v, &o.prompt_len) && o.prompt_len > 0;
+      else if (f == "--output_len") ok = absl::SimpleAtoi(v, &o.output_len) && o.output_len > 0;
+      else if (f == "--spread") ok = absl::SimpleAtod(v, &o.spread) && o.spread >= 0 && o.spread < 1;
+      else if (f == "--prompts_file") o.prompts_file = v;
+      else if (f == "--slo_ttft") ok = absl::SimpleAtod(v, &o.slo_ttft);
+      else if (f == "--slo_tpot") ok = absl::SimpleAtod(v, &o.slo_tpot);
+      else if (f == "--timeout") ok = absl::SimpleAtod(v, &o.timeout) && o.timeout > 0;
+      else if (f == "--seed") ok = absl::SimpleAtoi(v, &o.seed);
+      else if (f == "--json") o.json_out = v;
+      else if (f == "--png") o.png_out = v;
+      else ok = false;
+      if (!ok) return Usage();
+    }
+    return relgen::bench::RunServeBench(o);
+  }
+  return Usage();
 }

@@ -1,0 +1,27 @@
+// relgen-bench serve: a load generator against a running relgen-server.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace relgen::bench {
+
+struct ServeOptions {
+  std::string server = "localhost:50051";
+  std::vector<double> rates;  // requests/s, open loop (Poisson arrivals); empty: closed loop
+  int concurrency = 8;        // closed loop
+  int num_requests = 100;     // per rate
+  int prompt_len = 64;        // tokens, uniform in [len*(1-spread), len*(1+spread)]
+  int output_len = 64;
+  double spread = 0.5;
+  std::string prompts_file;   // one text prompt per line instead of synthetic prompts
+  double slo_ttft = 1.0;      // seconds, for goodput
+  double slo_tpot = 0.1;
+  double timeout = 300;
+  uint64_t seed = 1;
+  std::string json_out, png_out;
+};
+
+int RunServeBench(const ServeOptions& options);
+
+}  // namespace relgen::bench
