@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "engine/cpu_backend.h"
+#include "engine/device.h"
 #include "engine/engine.h"
 #include "server/metrics.h"
 #include "server/options.h"
@@ -34,7 +35,7 @@
 ABSL_FLAG(std::string, model, "", "model directory; default: models/default (here, then in the source tree)");
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC address HOST:PORT (port 0 picks a free one)");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400", "Prometheus /metrics address HOST:PORT (port 0 picks one)");
-ABSL_FLAG(std::string, device, "auto", "auto, cpu or cuda");
+ABSL_FLAG(std::string, device, "auto", "auto (CUDA when a GPU is present), cpu, cuda or cuda:N");
 ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
@@ -102,10 +103,6 @@ int Main(int argc, char** argv) {
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
 
-  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
-    return Fail(absl::StrCat("--device ", o.device, ": allowed auto, cpu, cuda"), 2);
-  }
-  if (o.device == "cuda") return Fail("--device cuda: this build has no CUDA backend yet; use cpu or auto", 2);
   if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_waiting < 1 || o.kv_block_size < 1 ||
       o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
       o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0) {
@@ -158,10 +155,16 @@ int Main(int argc, char** argv) {
   const ModelConfig& c = (*model)->config();
   auto tokenizer = NewTokenizer(c, o.model);
   if (!tokenizer.ok()) return Fail(std::string(tokenizer.status().message()));
-  auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size);
-  if (!blocks.ok()) return Fail(std::string(blocks.status().message()));
-  auto backend = NewCpuBackend(*model, KvCacheConfig{o.kv_block_size, *blocks}, o.threads);
+  DeviceOptions dev;
+  dev.device = o.device;
+  dev.kv_cache_tokens = o.kv_cache_tokens;
+  dev.kv_cache_memory_fraction = o.kv_cache_memory_fraction;
+  dev.kv_block_size = o.kv_block_size;
+  dev.threads = o.threads;
+  auto backend = NewBackend(*model, dev);
   if (!backend.ok()) return Fail(std::string(backend.status().message()));
+  const KvCacheConfig kv = (*backend)->kv_cache();
+  const std::string device_name = (*backend)->device();
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;
@@ -173,12 +176,12 @@ int Main(int argc, char** argv) {
   service.SetEngine(engine->get());
   server->GetHealthCheckService()->SetServingStatus(true);
 
-  const int64_t kv_tokens = int64_t{*blocks} * o.kv_block_size;
-  std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s) on cpu; KV cache %lld tokens (%.1f MiB); "
+  const int64_t kv_tokens = int64_t{kv.num_blocks} * kv.block_size;
+  std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s) on %s; KV cache %lld tokens (%.1f MiB); "
               "gRPC on %s%s; metrics on %s\n",
               c.name.c_str(), o.model.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
               static_cast<long long>((*model)->num_parameters()), std::string(DTypeName((*model)->file_dtype())).c_str(),
-              static_cast<long long>(kv_tokens), kv_tokens * CpuKvBytesPerToken(c) / 1048576.0,
+              device_name.c_str(), static_cast<long long>(kv_tokens), kv_tokens * CpuKvBytesPerToken(c) / 1048576.0,
               WithPort(o.listen, port).c_str(), o.tls_cert.empty() ? "" : " (TLS)",
               WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);

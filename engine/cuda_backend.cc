@@ -1,0 +1,377 @@
+#include "engine/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/decoder_kernels.h"
+
+namespace relgen {
+namespace {
+
+absl::Status CudaStatus(cudaError_t e, const char* what, const char* file, int line) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, " at ", file, ":", line, ": ", cudaGetErrorString(e)));
+}
+absl::Status CublasStatus(cublasStatus_t e, const char* what, const char* file, int line) {
+  if (e == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, " at ", file, ":", line, ": cuBLAS status ", static_cast<int>(e)));
+}
+
+#define RELGEN_CUDA_RETURN(expr)                                                    \
+  do {                                                                              \
+    if (absl::Status _s = CudaStatus((expr), #expr, __FILE__, __LINE__); !_s.ok()) { \
+      return _s;                                                                    \
+    }                                                                               \
+  } while (0)
+#define RELGEN_CUBLAS_RETURN(expr)                                                    \
+  do {                                                                                \
+    if (absl::Status _s = CublasStatus((expr), #expr, __FILE__, __LINE__); !_s.ok()) { \
+      return _s;                                                                      \
+    }                                                                                 \
+  } while (0)
+
+// A device buffer that grows and never shrinks.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  absl::Status Reserve(size_t n) {
+    if (n <= bytes) return absl::OkStatus();
+    cudaFree(ptr);
+    ptr = nullptr;
+    bytes = 0;
+    RELGEN_CUDA_RETURN(cudaMalloc(&ptr, n));
+    bytes = n;
+    return absl::OkStatus();
+  }
+  float* f() const { return static_cast<float*>(ptr); }
+  int32_t* i() const { return static_cast<int32_t*>(ptr); }
+};
+
+// Keys per attention block: longer contexts are split across blocks and merged (flash-decoding).
+constexpr int kKeysPerSplit = 512;
+
+int ActivationCode(cpu::Activation a) {
+  switch (a) {
+    case cpu::Activation::kRelu: return 0;
+    case cpu::Activation::kGelu: return 1;
+    case cpu::Activation::kGeluTanh: return 2;
+    case cpu::Activation::kSilu: return 3;
+  }
+  return -1;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int device)
+      : model_(std::move(model)), kv_(kv), device_(device) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    for (auto& [name, p] : weights_) cudaFree(p);
+    for (float* p : k_pools_) cudaFree(p);
+    for (float* p : v_pools_) cudaFree(p);
+    cudaFree(t5_table_);
+    cudaFree(alibi_);
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init() {
+    RELGEN_CUDA_RETURN(cudaSetDevice(device_));
+    RELGEN_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    RELGEN_CUBLAS_RETURN(cublasCreate(&cublas_));
+    RELGEN_CUBLAS_RETURN(cublasSetStream(cublas_, stream_));
+    // Pedantic math: no TF32 in the float32 path, so results stay comparable with the CPU.
+    RELGEN_CUBLAS_RETURN(cublasSetMathMode(cublas_, CUBLAS_PEDANTIC_MATH));
+    const ModelConfig& c = model_->config();
+    for (const TensorSpec& spec : ExpectedTensors(c)) {
+      int64_t n = 1;
+      for (int64_t d : spec.shape) n *= d;
+      auto host = Host(spec.name);
+      if (host == nullptr) return absl::InternalError("weight " + spec.name + " missing on the host");
+      float* dev = nullptr;
+      RELGEN_CUDA_RETURN(cudaMalloc(&dev, n * sizeof(float)));
+      RELGEN_CUDA_RETURN(cudaMemcpy(dev, host, n * sizeof(float), cudaMemcpyHostToDevice));
+      weights_[spec.name] = dev;
+      weight_bytes_ += n * static_cast<int64_t>(sizeof(float));
+    }
+    const int64_t per_layer = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim;
+    for (int l = 0; l < c.n_layers; ++l) {
+      float *k = nullptr, *v = nullptr;
+      RELGEN_CUDA_RETURN(cudaMalloc(&k, per_layer * sizeof(float)));
+      RELGEN_CUDA_RETURN(cudaMalloc(&v, per_layer * sizeof(float)));
+      k_pools_.push_back(k);
+      v_pools_.push_back(v);
+    }
+    kv_bytes_ = 2 * per_layer * c.n_layers * static_cast<int64_t>(sizeof(float));
+    if (!model_->t5_bucket_table().empty()) {
+      const auto& t = model_->t5_bucket_table();
+      RELGEN_CUDA_RETURN(cudaMalloc(&t5_table_, t.size() * sizeof(int32_t)));
+      RELGEN_CUDA_RETURN(cudaMemcpy(t5_table_, t.data(), t.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    }
+    if (!model_->alibi_slopes().empty()) {
+      const auto& s = model_->alibi_slopes();
+      RELGEN_CUDA_RETURN(cudaMalloc(&alibi_, s.size() * sizeof(float)));
+      RELGEN_CUDA_RETURN(cudaMemcpy(alibi_, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::string_view name() const override { return "cuda"; }
+  std::string device() const override { return absl::StrCat("cuda:", device_); }
+  const KvCacheConfig& kv_cache() const override { return kv_; }
+  BackendMemory memory() const override {
+    BackendMemory m;
+    m.weights = weight_bytes_;
+    m.kv_cache = kv_bytes_;
+    for (const DeviceBuffer* b : {&x_, &h_, &q_, &k_, &v_, &att_, &tmp_, &up_, &gate_, &work_, &logits_d_, &meta_}) {
+      m.activations += static_cast<int64_t>(b->bytes);
+    }
+    return m;
+  }
+
+  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
+
+ private:
+  const float* Host(const std::string& name) const;
+  const float* W(const std::string& name) const {
+    auto it = weights_.find(name);
+    return it == weights_.end() ? nullptr : it->second;
+  }
+  // y[rows, out] = x[rows, in] * W^T (+ bias, + activation). Row-major through column-major cuBLAS.
+  absl::Status Linear(const float* x, int rows, int in, const std::string& w, int out, float* y, int act = -1) {
+    const float one = 1.f, zero = 0.f;
+    RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &one, W(w + ".weight"), in, x, in,
+                                     &zero, y, out));
+    RELGEN_CUDA_RETURN(cuda::BiasActivate(y, rows, out, W(w + ".bias"), act, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status Norm(const float* x, int rows, const std::string& p, float* y) {
+    const ModelConfig& c = model_->config();
+    RELGEN_CUDA_RETURN(cuda::Norm(c.norm == NormKind::kLayerNorm, x, rows, c.d_model, W(p + ".weight"), W(p + ".bias"),
+                                  c.norm_eps, y, stream_));
+    return absl::OkStatus();
+  }
+  cuda::Relative Rel(int layer) const {
+    const ModelConfig& c = model_->config();
+    const std::string p = c.rel.share_across_layers ? "attn." : absl::StrCat("layers.", layer, ".attn.");
+    cuda::Relative r;
+    r.scheme = c.rel.scheme;
+    r.heads_share = c.rel.heads_share_table;
+    r.table_k = W(p + "rel_k");
+    r.table_v = W(p + "rel_v");
+    r.rows = c.rel.scheme == relpos::Scheme::kShaw ? 2 * c.rel.clip + 1 : c.rel.max_relative_position;
+    r.clip_k = c.rel.clip;
+    r.block_length = c.rel.block_length;
+    r.t5_bias = W(p + "rel_bias");
+    r.t5_num_buckets = c.rel.num_buckets;
+    r.t5_bucket_of_distance = t5_table_;
+    r.t5_table_len = static_cast<int>(model_->t5_bucket_table().size());
+    r.alibi_slopes = alibi_;
+    r.scale_with_qk = c.rel.scale_with_qk;
+    return r;
+  }
+
+  std::shared_ptr<const Model> model_;
+  KvCacheConfig kv_;
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  std::unordered_map<std::string, float*> weights_;
+  std::vector<float*> k_pools_, v_pools_;
+  int32_t* t5_table_ = nullptr;
+  float* alibi_ = nullptr;
+  int64_t weight_bytes_ = 0, kv_bytes_ = 0;
+  DeviceBuffer x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, work_, logits_d_, meta_;
+};
+
+const float* CudaBackend::Host(const std::string& name) const {
+  // Model's host weights by name, through the same layout the CPU backend reads.
+  const ModelConfig& c = model_->config();
+  if (name == "embed.weight") return model_->embed();
+  if (name == "final_norm.weight") return model_->final_norm_w();
+  if (name == "final_norm.bias") return model_->final_norm_b();
+  if (name == "lm_head.weight") return model_->lm_head();
+  const std::string rel_prefix = "attn.";
+  if (name.rfind("layers.", 0) != 0) {  // shared relative tables
+    const LayerWeights& lw = model_->layer(0);
+    if (name == rel_prefix + "rel_k") return lw.rel_k;
+    if (name == rel_prefix + "rel_v") return lw.rel_v;
+    if (name == rel_prefix + "rel_bias") return lw.rel_bias;
+    return nullptr;
+  }
+  const size_t dot = name.find('.', 7);
+  const int l = std::stoi(name.substr(7, dot - 7));
+  if (l < 0 || l >= c.n_layers) return nullptr;
+  const LayerWeights& w = model_->layer(l);
+  const std::string rest = name.substr(dot + 1);
+  const std::unordered_map<std::string, const float*> by_name = {
+      {"attn_norm.weight", w.attn_norm_w}, {"attn_norm.bias", w.attn_norm_b}, {"attn.q.weight", w.wq},
+      {"attn.q.bias", w.bq}, {"attn.k.weight", w.wk}, {"attn.k.bias", w.bk}, {"attn.v.weight", w.wv},
+      {"attn.v.bias", w.bv}, {"attn.o.weight", w.wo}, {"attn.o.bias", w.bo}, {"ffn_norm.weight", w.ffn_norm_w},
+      {"ffn_norm.bias", w.ffn_norm_b}, {"ffn.up.weight", w.w_up}, {"ffn.up.bias", w.b_up},
+      {"ffn.gate.weight", w.w_gate}, {"ffn.gate.bias", w.b_gate}, {"ffn.down.weight", w.w_down},
+      {"ffn.down.bias", w.b_down}, {"attn.rel_k", w.rel_k}, {"attn.rel_v", w.rel_v}, {"attn.rel_bias", w.rel_bias}};
+  auto it = by_name.find(rest);
+  return it == by_name.end() ? nullptr : it->second;
+}
+
+absl::Status CudaBackend::Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
+  const ModelConfig& c = model_->config();
+  RELGEN_CUDA_RETURN(cudaSetDevice(device_));
+  // Host-side metadata: tokens, each row's position and block-table offset, rows to keep.
+  std::vector<int32_t> tokens, position, table_offset, tables, keep;
+  int max_keys = 1;
+  for (const SequenceStep& s : steps) {
+    const int n = static_cast<int>(s.tokens.size());
+    if (n == 0) return absl::InvalidArgumentError("a sequence step has no tokens");
+    const int64_t capacity = int64_t{kv_.block_size} * static_cast<int64_t>(s.block_table.size());
+    if (s.start_pos < 0 || s.start_pos + n > capacity || s.start_pos + n > c.max_seq_len) {
+      return absl::OutOfRangeError(absl::StrCat("positions ", s.start_pos, "..", s.start_pos + n - 1,
+                                                " exceed the sequence's ", capacity, " cached tokens or max_seq_len ",
+                                                c.max_seq_len));
+    }
+    for (int32_t b : s.block_table) {
+      if (b < 0 || b >= kv_.num_blocks) return absl::InvalidArgumentError(absl::StrCat("KV block ", b, " outside the pool"));
+    }
+    const int offset = static_cast<int>(tables.size());
+    tables.insert(tables.end(), s.block_table.begin(), s.block_table.end());
+    for (int i = 0; i < n; ++i) {
+      const int32_t t = s.tokens[i];
+      if (t < 0 || t >= c.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
+      }
+      if (s.all_logits || i == n - 1) keep.push_back(static_cast<int32_t>(tokens.size()));
+      tokens.push_back(t);
+      position.push_back(s.start_pos + i);
+      table_offset.push_back(offset);
+    }
+    max_keys = std::max(max_keys, s.start_pos + n);
+  }
+  const int total = static_cast<int>(tokens.size()), kept = static_cast<int>(keep.size());
+  const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
+  // Metadata in one upload: tokens | position | table_offset | tables | keep.
+  std::vector<int32_t> meta;
+  for (const auto* v : {&tokens, &position, &table_offset, &tables, &keep}) meta.insert(meta.end(), v->begin(), v->end());
+  absl::Status st = meta_.Reserve(meta.size() * sizeof(int32_t));
+  for (auto [buf, floats] : {std::pair{&x_, int64_t{total} * d}, std::pair{&h_, int64_t{total} * d},
+                             std::pair{&q_, int64_t{total} * w}, std::pair{&k_, int64_t{total} * w},
+                             std::pair{&v_, int64_t{total} * w}, std::pair{&att_, int64_t{total} * w},
+                             std::pair{&tmp_, int64_t{total} * d}, std::pair{&up_, int64_t{total} * f},
+                             std::pair{&gate_, int64_t{total} * f},
+                             std::pair{&logits_d_, int64_t{kept} * c.vocab_size},
+                             std::pair{&work_, cuda::AttentionWorkspace(total, c.n_heads, c.head_dim, max_keys, kKeysPerSplit)}}) {
+    if (st.ok()) st = buf->Reserve(std::max<int64_t>(floats, 1) * sizeof(float));
+  }
+  if (!st.ok()) return st;
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, meta.data(), meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  const int32_t* d_tokens = meta_.i();
+  cuda::Rows rows;
+  rows.n = total;
+  rows.position = d_tokens + total;
+  rows.table_offset = d_tokens + 2 * total;
+  rows.block_tables = d_tokens + 3 * total;
+  const int32_t* d_keep = rows.block_tables + tables.size();
+
+  RELGEN_CUDA_RETURN(cuda::Embedding(d_tokens, total, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
+  const bool pre = c.norm_placement == NormPlacement::kPre;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = absl::StrCat("layers.", l, ".");
+    const float* in = x_.f();
+    if (pre) {
+      if (auto s = Norm(x_.f(), total, p + "attn_norm", h_.f()); !s.ok()) return s;
+      in = h_.f();
+    }
+    for (auto [name, out] : {std::pair{"attn.q", q_.f()}, std::pair{"attn.k", k_.f()}, std::pair{"attn.v", v_.f()}}) {
+      if (auto s = Linear(in, total, d, p + name, w, out); !s.ok()) return s;
+    }
+    cuda::KvPool pool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim};
+    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k_.f(), v_.f(), stream_));
+    RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
+                                       kKeysPerSplit, stream_));
+    if (auto s = Linear(att_.f(), total, w, p + "attn.o", d, tmp_.f()); !s.ok()) return s;
+    RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
+    if (!pre) {
+      if (auto s = Norm(x_.f(), total, p + "attn_norm", x_.f()); !s.ok()) return s;
+    }
+    in = x_.f();
+    if (pre) {
+      if (auto s = Norm(x_.f(), total, p + "ffn_norm", h_.f()); !s.ok()) return s;
+      in = h_.f();
+    }
+    const int act = ActivationCode(c.ffn_activation);
+    if (c.ffn_gated) {
+      if (auto s = Linear(in, total, d, p + "ffn.up", f, up_.f()); !s.ok()) return s;
+      if (auto s = Linear(in, total, d, p + "ffn.gate", f, gate_.f()); !s.ok()) return s;
+      RELGEN_CUDA_RETURN(cuda::ActivateGated(act, gate_.f(), up_.f(), int64_t{total} * f, stream_));
+      if (auto s = Linear(gate_.f(), total, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
+    } else {
+      if (auto s = Linear(in, total, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
+      if (auto s = Linear(up_.f(), total, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
+    }
+    RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
+    if (!pre) {
+      if (auto s = Norm(x_.f(), total, p + "ffn_norm", x_.f()); !s.ok()) return s;
+    }
+  }
+  // The kept rows (gathered like an embedding lookup), the final norm, the vocabulary projection.
+  RELGEN_CUDA_RETURN(cuda::Embedding(d_keep, kept, x_.f(), d, 1.f, h_.f(), stream_));
+  if (pre) {
+    if (auto s = Norm(h_.f(), kept, "final_norm", h_.f()); !s.ok()) return s;
+  }
+  const float one = 1.f, zero = 0.f;
+  const float* head = c.tie_embeddings ? W("embed.weight") : W("lm_head.weight");
+  RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &one, head, d, h_.f(), d,
+                                   &zero, logits_d_.f(), c.vocab_size));
+  logits->resize(int64_t{kept} * c.vocab_size);
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_d_.ptr, logits->size() * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream_));
+  RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int CudaDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return n;
+}
+
+int64_t CudaKvBytesPerToken(const ModelConfig& c) {
+  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * static_cast<int64_t>(sizeof(float));
+}
+
+absl::StatusOr<int64_t> CudaFreeBytes(int device) {
+  RELGEN_CUDA_RETURN(cudaSetDevice(device));
+  size_t free = 0, total = 0;
+  RELGEN_CUDA_RETURN(cudaMemGetInfo(&free, &total));
+  return static_cast<int64_t>(free);
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int device) {
+  if (model == nullptr) return absl::InvalidArgumentError("no model");
+  if (kv.block_size < 1 || kv.num_blocks < 1) return absl::InvalidArgumentError("KV cache needs blocks");
+  if (model->config().head_dim > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("head_dim ", model->config().head_dim,
+                                                   ": the CUDA attention kernel supports up to 256"));
+  }
+  if (device < 0 || device >= CudaDeviceCount()) {
+    return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not present (", CudaDeviceCount(), " found)"));
+  }
+  auto b = std::make_unique<CudaBackend>(std::move(model), kv, device);
+  if (auto s = b->Init(); !s.ok()) return s;
+  return std::unique_ptr<Backend>(std::move(b));
+}
+
+}  // namespace relgen

@@ -1,0 +1,56 @@
+#include "engine/device.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "engine/cpu_backend.h"
+#if RELGEN_WITH_CUDA
+#include "engine/cuda_backend.h"
+#endif
+
+namespace relgen {
+
+absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& o) {
+  const ModelConfig& c = model->config();
+  std::string device = o.device;
+  int index = 0;
+  if (device.rfind("cuda:", 0) == 0) {
+    if (!absl::SimpleAtoi(device.substr(5), &index) || index < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--device ", device, ": expected cuda:N"));
+    }
+    device = "cuda";
+  }
+  if (device != "auto" && device != "cpu" && device != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat("--device ", o.device, ": allowed auto, cpu, cuda, cuda:N"));
+  }
+#if RELGEN_WITH_CUDA
+  if (device == "auto") device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
+  if (device == "cuda") {
+    if (index >= CudaDeviceCount()) {
+      return absl::UnavailableError(absl::StrCat("--device ", o.device, ": ", CudaDeviceCount(),
+                                                 " CUDA devices are present; use --device cpu or auto"));
+    }
+    int64_t blocks = (o.kv_cache_tokens + o.kv_block_size - 1) / o.kv_block_size;
+    if (o.kv_cache_tokens == 0) {
+      auto free = CudaFreeBytes(index);
+      if (!free.ok()) return free.status();
+      const int64_t available = *free - model->float_bytes();
+      blocks = static_cast<int64_t>(o.kv_cache_memory_fraction * available) / (CudaKvBytesPerToken(c) * o.kv_block_size);
+    }
+    if (blocks * o.kv_block_size < c.max_seq_len) {
+      return absl::InvalidArgumentError(absl::StrCat("a device KV pool of ", blocks * o.kv_block_size,
+                                                     " tokens cannot hold one sequence of max_seq_len ", c.max_seq_len));
+    }
+    return NewCudaBackend(std::move(model), KvCacheConfig{o.kv_block_size, static_cast<int>(blocks)}, index);
+  }
+#else
+  if (device == "cuda") {
+    return absl::UnavailableError("--device cuda: this build has no CUDA backend (built where nvcc was not found)");
+  }
+#endif
+  auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size);
+  if (!blocks.ok()) return blocks.status();
+  return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads);
+}
+
+}  // namespace relgen

@@ -1,0 +1,23 @@
+// Picks and creates the backend for a --device setting, and sizes its KV pool.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/backend.h"
+#include "engine/model.h"
+
+namespace relgen {
+
+struct DeviceOptions {
+  std::string device = "auto";  // auto (CUDA when a device is present), cpu, cuda, cuda:N
+  int64_t kv_cache_tokens = 0;  // 0: size by memory fraction (host memory or free device memory)
+  double kv_cache_memory_fraction = 0.2;
+  int kv_block_size = 16;
+  int threads = 0;  // CPU threads
+};
+
+absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& options);
+
+}  // namespace relgen

@@ -1,0 +1,305 @@
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/cuda/decoder_kernels.h"
+
+namespace relgen::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMaxPerLane = 8;  // head_dim <= 256
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float Act(int act, float v) {
+  switch (act) {
+    case 0: return v > 0.f ? v : 0.f;
+    case 1: return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+    case 2: return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    case 3: return v / (1.f + expf(-v));
+    default: return v;
+  }
+}
+
+__global__ void EmbeddingKernel(const int32_t* ids, int n, const float* table, int dim, float scale, float* out) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= int64_t{n} * dim) return;
+  const int64_t row = i / dim, col = i % dim;
+  out[i] = table[int64_t{ids[row]} * dim + col] * scale;
+}
+
+__global__ void NormKernel(bool layernorm, const float* x, int dim, const float* w, const float* b, float eps, float* y) {
+  __shared__ float red[32];
+  const float* xr = x + int64_t{blockIdx.x} * dim;
+  float* yr = y + int64_t{blockIdx.x} * dim;
+  auto block_sum = [&](float v) {
+    v = WarpSum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
+    if (threadIdx.x < 32) t = WarpSum(t);
+    if (threadIdx.x == 0) red[0] = t;
+    __syncthreads();
+    const float r = red[0];
+    __syncthreads();
+    return r;
+  };
+  float mean = 0.f;
+  if (layernorm) {
+    float s = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i];
+    mean = block_sum(s) / dim;
+  }
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (xr[i] - mean) * (xr[i] - mean);
+  const float inv = rsqrtf(block_sum(ss) / dim + eps);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    yr[i] = (xr[i] - mean) * inv * w[i] + (b != nullptr ? b[i] : 0.f);
+  }
+}
+
+__global__ void BiasActivateKernel(float* y, int64_t n, int cols, const float* bias, int act) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  float v = y[i] + (bias != nullptr ? bias[i % cols] : 0.f);
+  y[i] = Act(act, v);
+}
+
+__global__ void GatedKernel(int act, float* x, const float* gate, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) x[i] = Act(act, x[i]) * gate[i];
+}
+
+__global__ void AddKernel(float* y, const float* x, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) y[i] += x[i];
+}
+
+__device__ __forceinline__ int64_t RowOffset(const KvPool& kv, const int32_t* table, int head, int pos) {
+  const int64_t block = table[pos / kv.block_size];
+  return ((block * kv.n_heads + head) * kv.block_size + pos % kv.block_size) * kv.head_dim;
+}
+
+__global__ void WriteKvKernel(KvPool kv, Rows rows, const float* k, const float* v) {
+  const int r = blockIdx.x, h = blockIdx.y;
+  const int width = kv.n_heads * kv.head_dim;
+  const int32_t* table = rows.block_tables + rows.table_offset[r];
+  const int64_t dst = RowOffset(kv, table, h, rows.position[r]);
+  for (int d = threadIdx.x; d < kv.head_dim; d += blockDim.x) {
+    kv.k[dst + d] = k[int64_t{r} * width + h * kv.head_dim + d];
+    kv.v[dst + d] = v[int64_t{r} * width + h * kv.head_dim + d];
+  }
+}
+
+// One (row, head, key split) per block; each warp takes every kWarps-th key with its own online
+// softmax, and the warps merge at the end.
+__global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative rel, KvPool kv, float* out,
+                                float* workspace, int keys_per_split) {
+  const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int hd = kv.head_dim, width = kv.n_heads * hd;
+  const int pos = rows.position[r];
+  const int ks = relpos::WindowStart(rel.scheme, pos, rel.block_length);
+  const int begin = ks + split * keys_per_split;
+  const int end = min(pos + 1, begin + keys_per_split);
+  const int32_t* table = rows.block_tables + rows.table_offset[r];
+  const int th = rel.heads_share ? 0 : h;
+  const float rel_mult = rel.scale_with_qk ? scale : 1.f;
+
+  float qr[kMaxPerLane], acc[kMaxPerLane];
+#pragma unroll
+  for (int t = 0; t < kMaxPerLane; ++t) {
+    const int d = lane + 32 * t;
+    qr[t] = d < hd ? q[int64_t{r} * width + h * hd + d] : 0.f;
+    acc[t] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  for (int j = begin + warp; j < end; j += kWarps) {
+    const float* kj = kv.k + RowOffset(kv, table, h, j);
+    float dot = 0.f;
+#pragma unroll
+    for (int t = 0; t < kMaxPerLane; ++t) {
+      const int d = lane + 32 * t;
+      if (d < hd) dot += qr[t] * kj[d];
+    }
+    dot = WarpSum(dot);
+    const int dist = pos - j;
+    float rv = 0.f;
+    const float* value_extra = nullptr;
+    switch (rel.scheme) {
+      case relpos::Scheme::kSkew:
+      case relpos::Scheme::kSkewLocal: {
+        const int row = relpos::SkewRow(dist, rel.rows);
+        if (row >= 0) {
+          const float* e = rel.table_k + (int64_t{th} * rel.rows + row) * hd;
+#pragma unroll
+          for (int t = 0; t < kMaxPerLane; ++t) {
+            const int d = lane + 32 * t;
+            if (d < hd) rv += qr[t] * e[d];
+          }
+          rv = WarpSum(rv);
+        }
+        break;
+      }
+      case relpos::Scheme::kShaw: {
+        const int row = relpos::ShawRow(pos, j, rel.clip_k);
+        const float* e = rel.table_k + (int64_t{th} * rel.rows + row) * hd;
+#pragma unroll
+        for (int t = 0; t < kMaxPerLane; ++t) {
+          const int d = lane + 32 * t;
+          if (d < hd) rv += qr[t] * e[d];
+        }
+        rv = WarpSum(rv);
+        if (rel.table_v != nullptr) value_extra = rel.table_v + (int64_t{th} * rel.rows + row) * hd;
+        break;
+      }
+      case relpos::Scheme::kT5:
+        rv = rel.t5_bias[th * rel.t5_num_buckets +
+                         relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
+        break;
+      case relpos::Scheme::kAlibi:
+        rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
+        break;
+      default:
+        break;
+    }
+    const float s = scale * dot + rel_mult * rv;
+    const float m_new = fmaxf(m, s);
+    const float corr = __expf(m - m_new), p = __expf(s - m_new);
+    l = l * corr + p;
+    const float* vj = kv.v + RowOffset(kv, table, h, j);
+#pragma unroll
+    for (int t = 0; t < kMaxPerLane; ++t) {
+      const int d = lane + 32 * t;
+      if (d < hd) acc[t] = acc[t] * corr + p * (vj[d] + (value_extra != nullptr ? value_extra[d] : 0.f));
+    }
+    m = m_new;
+  }
+
+  // Merge the warps.
+  extern __shared__ float smem[];  // kWarps * (hd + 2)
+  float* mine = smem + warp * (hd + 2);
+#pragma unroll
+  for (int t = 0; t < kMaxPerLane; ++t) {
+    const int d = lane + 32 * t;
+    if (d < hd) mine[2 + d] = acc[t];
+  }
+  if (lane == 0) {
+    mine[0] = m;
+    mine[1] = l;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  float big = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) big = fmaxf(big, smem[w * (hd + 2)]);
+  float total = 0.f;
+  for (int w = 0; w < kWarps; ++w) {
+    const float mw = smem[w * (hd + 2)];
+    total += mw == -INFINITY ? 0.f : smem[w * (hd + 2) + 1] * __expf(mw - big);
+  }
+  for (int d = lane; d < hd; d += 32) {
+    float a = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = smem[w * (hd + 2)];
+      if (mw != -INFINITY) a += smem[w * (hd + 2) + 2 + d] * __expf(mw - big);
+    }
+    if (splits == 1) {
+      out[int64_t{r} * width + h * hd + d] = a / total;
+    } else {
+      workspace[((int64_t{r} * kv.n_heads + h) * splits + split) * (hd + 2) + 2 + d] = a;
+    }
+  }
+  if (splits > 1 && lane == 0) {
+    float* part = workspace + ((int64_t{r} * kv.n_heads + h) * splits + split) * (hd + 2);
+    part[0] = big;
+    part[1] = total;
+  }
+}
+
+// Merges the key splits of each (row, head).
+__global__ void CombineKernel(const float* workspace, int splits, int n_heads, int hd, float* out) {
+  const int r = blockIdx.x, h = blockIdx.y;
+  const float* parts = workspace + (int64_t{r} * n_heads + h) * splits * (hd + 2);
+  float big = -INFINITY;
+  for (int s = 0; s < splits; ++s) big = fmaxf(big, parts[s * (hd + 2)]);
+  float total = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = parts[s * (hd + 2)];
+    if (ms != -INFINITY) total += parts[s * (hd + 2) + 1] * __expf(ms - big);
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float a = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float ms = parts[s * (hd + 2)];
+      if (ms != -INFINITY) a += parts[s * (hd + 2) + 2 + d] * __expf(ms - big);
+    }
+    out[int64_t{r} * n_heads * hd + h * hd + d] = a / total;
+  }
+}
+
+unsigned Blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+}  // namespace
+
+cudaError_t Embedding(const int32_t* ids, int n, const float* table, int dim, float scale, float* out, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  EmbeddingKernel<<<Blocks(int64_t{n} * dim, 256), 256, 0, s>>>(ids, n, table, dim, scale, out);
+  return cudaGetLastError();
+}
+
+cudaError_t Norm(bool layernorm, const float* x, int rows, int dim, const float* w, const float* b, float eps, float* y,
+                 cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  NormKernel<<<rows, 256, 0, s>>>(layernorm, x, dim, w, b, eps, y);
+  return cudaGetLastError();
+}
+
+cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int act, cudaStream_t s) {
+  const int64_t n = int64_t{rows} * cols;
+  if (n == 0) return cudaSuccess;
+  BiasActivateKernel<<<Blocks(n, 256), 256, 0, s>>>(y, n, cols, bias, act);
+  return cudaGetLastError();
+}
+
+cudaError_t ActivateGated(int act, float* x, const float* gate, int64_t n, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  GatedKernel<<<Blocks(n, 256), 256, 0, s>>>(act, x, gate, n);
+  return cudaGetLastError();
+}
+
+cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  AddKernel<<<Blocks(n, 256), 256, 0, s>>>(y, x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const float* v, cudaStream_t s) {
+  if (rows.n == 0) return cudaSuccess;
+  WriteKvKernel<<<dim3(rows.n, kv.n_heads), 64, 0, s>>>(kv, rows, k, v);
+  return cudaGetLastError();
+}
+
+int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, int keys_per_split) {
+  const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
+  return splits > 1 ? int64_t{rows} * n_heads * splits * (head_dim + 2) : 0;
+}
+
+cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel, const KvPool& kv,
+                      float* out, float* workspace, int keys_per_split, cudaStream_t s) {
+  if (kv.head_dim > 32 * kMaxPerLane || kv.head_dim < 1) return cudaErrorInvalidValue;  // dispatch: head_dim <= 256
+  if (rows.n == 0) return cudaSuccess;
+  const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
+  const size_t smem = sizeof(float) * kWarps * (kv.head_dim + 2);
+  AttentionKernel<<<dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s>>>(q, rows, scale, rel, kv, out, workspace,
+                                                                              keys_per_split);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || splits == 1) return err;
+  CombineKernel<<<dim3(rows.n, kv.n_heads), 64, 0, s>>>(workspace, splits, kv.n_heads, kv.head_dim, out);
+  return cudaGetLastError();
+}
+
+}  // namespace relgen::cuda

@@ -1,0 +1,76 @@
+// CUDA kernels of the decoder, float32. Every kernel has a CPU twin in kernels/cpu (named in its
+// comment) and the parity tests compare them. All pointers are device pointers; all launches go on
+// `stream` and return the launch's error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/relpos.h"
+
+namespace relgen::cuda {
+
+// Relative-position parameters of one layer (device pointers), as cpu::RelativeParams.
+struct Relative {
+  relpos::Scheme scheme = relpos::Scheme::kNone;
+  bool heads_share = false;
+  const float* table_k = nullptr;  // skew [Hs, M, hd]; shaw [Hs, 2k+1, hd]
+  const float* table_v = nullptr;  // shaw values [Hs, 2k+1, hd]
+  int rows = 0;
+  int clip_k = 0;
+  int block_length = 0;
+  const float* t5_bias = nullptr;  // [Hs, num_buckets]
+  int t5_num_buckets = 0;
+  const int32_t* t5_bucket_of_distance = nullptr;
+  int t5_table_len = 0;
+  const float* alibi_slopes = nullptr;  // [n_heads]
+  bool scale_with_qk = true;
+};
+
+// One layer's paged K/V pool: [num_blocks, n_heads, block_size, head_dim] each.
+struct KvPool {
+  float* k = nullptr;
+  float* v = nullptr;
+  int block_size = 0;
+  int n_heads = 0;
+  int head_dim = 0;
+};
+
+// Per new-token row r of a step: its absolute position and where its sequence's block table
+// starts in `block_tables` (all sequences' tables concatenated).
+struct Rows {
+  int n = 0;
+  const int32_t* position = nullptr;
+  const int32_t* table_offset = nullptr;
+  const int32_t* block_tables = nullptr;
+};
+
+// out[i, :] = table[ids[i], :] * scale (cpu::Embedding).
+cudaError_t Embedding(const int32_t* ids, int n, const float* table, int dim, float scale, float* out,
+                      cudaStream_t stream);
+// Row-wise LayerNorm (bias may be null) or RmsNorm; y may alias x (cpu::LayerNorm, cpu::RmsNorm).
+cudaError_t Norm(bool layernorm, const float* x, int rows, int dim, const float* weight, const float* bias,
+                 float eps, float* y, cudaStream_t stream);
+// y[r, :] += bias (when not null), then the activation in place: 0 relu, 1 gelu, 2 gelu_tanh,
+// 3 silu, -1 none (cpu::Linear's bias, cpu::Activate).
+cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int activation, cudaStream_t stream);
+// x = act(x) * gate (cpu::ActivateGated).
+cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
+// y += x (cpu::AddInPlace).
+cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t stream);
+// k, v [rows, n_heads*head_dim] into the pool at each row's position (cpu::WriteKv).
+cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const float* v, cudaStream_t stream);
+
+// Attention of every new-token row (prefill, chunked prefill and decode alike) against its
+// sequence's cache, all rows and heads in one launch: online softmax over the row's visible keys,
+// the relative term computed inside the kernel for that row (skew q.E over the needed distances,
+// Shaw's clipped rows, T5's bucket table, ALiBi's slope). Keys are split into chunks of
+// `keys_per_split` processed by separate blocks and merged (split-K / flash-decoding), which
+// needs `workspace` of rows * heads * splits * (head_dim + 2) floats (see AttentionWorkspace).
+// q, out [rows, n_heads*head_dim] (cpu::AttentionPrefill / cpu::AttentionDecode).
+cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
+                      const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t stream);
+int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, int keys_per_split);
+
+}  // namespace relgen::cuda
