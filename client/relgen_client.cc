@@ -1,6 +1,9 @@
 // relgen-client: generate text or read model info from a relgen-server, from the shell.
 #include <google/protobuf/util/json_util.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+
+#include <future>
 
 #include <cstdio>
 #include <fstream>
@@ -68,6 +71,25 @@ int Main(int argc, char** argv) {
                      std::chrono::microseconds(static_cast<int64_t>(o.timeout_seconds * 1e6)));
   }
 
+  if (o.command == "health") {
+    // grpc.health.v1.Health/Check with an empty request; the reply's field 1 is the status
+    // (1 = SERVING), read from the wire bytes so no health stubs are needed.
+    grpc::GenericStub generic(grpc::CreateChannel(o.server, creds));
+    grpc::ByteBuffer request, reply;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &reply,
+                      [&](grpc::Status s) { done.set_value(s); });
+    const grpc::Status s = done.get_future().get();
+    if (!s.ok()) return Failed(s, o.server);
+    std::vector<grpc::Slice> slices;
+    std::string bytes;
+    if (reply.Dump(&slices).ok()) {
+      for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+    const bool serving = bytes.size() >= 2 && bytes[0] == 0x08 && bytes[1] == 0x01;
+    std::printf("%s\n", serving ? "SERVING" : "NOT_SERVING");
+    return serving ? 0 : 1;
+  }
   if (o.command == "info") {
     v1::ModelInfo info;
     const grpc::Status s = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);

@@ -29,7 +29,8 @@ const std::vector<FieldFlag>& RequestFlags() {
 std::string Usage() {
   std::string u =
       "usage: relgen-client generate [flags] [prompt words...]   (prompt from stdin when none is given)\n"
-      "       relgen-client info [--server HOST:PORT]\n\n"
+      "       relgen-client info [--server HOST:PORT]\n"
+      "       relgen-client health [--server HOST:PORT]   (grpc.health.v1: exit 0 when SERVING)\n\n"
       "connection and output:\n"
       "  --server HOST:PORT   default localhost:50051\n"
       "  --tls_ca FILE        connect with TLS, trusting these PEM roots\n"
@@ -46,7 +47,9 @@ std::string Usage() {
 std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) {
   if (args.empty()) return "a command is required: generate or info";
   out->command = args[0];
-  if (out->command != "generate" && out->command != "info") return "unknown command '" + out->command + "'";
+  if (out->command != "generate" && out->command != "info" && out->command != "health") {
+    return "unknown command '" + out->command + "'";
+  }
   v1::GenerateRequest& r = out->request;
   std::vector<std::string> words;
   for (size_t i = 1; i < args.size(); ++i) {

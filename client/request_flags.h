@@ -10,7 +10,7 @@
 namespace relgen::client {
 
 struct ClientOptions {
-  std::string command;  // generate | info
+  std::string command;  // generate | info | health
   std::string server = "localhost:50051";
   bool stream = false;
   bool json = false;
