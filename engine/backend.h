@@ -31,6 +31,11 @@ struct BackendMemory {
   int64_t activations = 0;
 };
 
+// Checks what every backend requires of a step: tokens present and in the vocabulary, positions
+// inside the sequence's blocks and the model's context, blocks inside the pool.
+absl::Status ValidateSteps(absl::Span<const SequenceStep> steps, int vocab_size, int max_seq_len,
+                           const KvCacheConfig& kv);
+
 class Backend {
  public:
   virtual ~Backend() = default;

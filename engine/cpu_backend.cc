@@ -124,30 +124,12 @@ class CpuBackend final : public Backend {
 
 absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
   const ModelConfig& c = model_->config();
+  if (auto st = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_); !st.ok()) return st;
   int total = 0;
   int out_rows = 0;
   for (const SequenceStep& s : steps) {
-    const int n = static_cast<int>(s.tokens.size());
-    if (n == 0) return absl::InvalidArgumentError("a sequence step has no tokens");
-    const int64_t capacity = int64_t{kv_.block_size} * static_cast<int64_t>(s.block_table.size());
-    if (s.start_pos < 0 || s.start_pos + n > capacity || s.start_pos + n > c.max_seq_len) {
-      return absl::OutOfRangeError(absl::StrCat("positions ", s.start_pos, "..", s.start_pos + n - 1,
-                                                " exceed the sequence's ", capacity,
-                                                " cached tokens or max_seq_len ", c.max_seq_len));
-    }
-    for (int32_t b : s.block_table) {
-      if (b < 0 || b >= kv_.num_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat("KV block ", b, " outside the pool of ", kv_.num_blocks));
-      }
-    }
-    for (int32_t t : s.tokens) {
-      if (t < 0 || t >= c.vocab_size) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
-      }
-    }
-    total += n;
-    out_rows += s.all_logits ? n : 1;
+    total += static_cast<int>(s.tokens.size());
+    out_rows += s.all_logits ? static_cast<int>(s.tokens.size()) : 1;
   }
   const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
   auto sized = [](std::vector<float>& v, int64_t n) {

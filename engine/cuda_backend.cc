@@ -227,27 +227,15 @@ absl::Status CudaBackend::Forward(absl::Span<const SequenceStep> steps, std::vec
   const ModelConfig& c = model_->config();
   RELGEN_CUDA_RETURN(cudaSetDevice(device_));
   // Host-side metadata: tokens, each row's position and block-table offset, rows to keep.
+  if (auto v = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_); !v.ok()) return v;
   std::vector<int32_t> tokens, position, table_offset, tables, keep;
   int max_keys = 1;
   for (const SequenceStep& s : steps) {
     const int n = static_cast<int>(s.tokens.size());
-    if (n == 0) return absl::InvalidArgumentError("a sequence step has no tokens");
-    const int64_t capacity = int64_t{kv_.block_size} * static_cast<int64_t>(s.block_table.size());
-    if (s.start_pos < 0 || s.start_pos + n > capacity || s.start_pos + n > c.max_seq_len) {
-      return absl::OutOfRangeError(absl::StrCat("positions ", s.start_pos, "..", s.start_pos + n - 1,
-                                                " exceed the sequence's ", capacity, " cached tokens or max_seq_len ",
-                                                c.max_seq_len));
-    }
-    for (int32_t b : s.block_table) {
-      if (b < 0 || b >= kv_.num_blocks) return absl::InvalidArgumentError(absl::StrCat("KV block ", b, " outside the pool"));
-    }
     const int offset = static_cast<int>(tables.size());
     tables.insert(tables.end(), s.block_table.begin(), s.block_table.end());
     for (int i = 0; i < n; ++i) {
       const int32_t t = s.tokens[i];
-      if (t < 0 || t >= c.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat("token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
-      }
       if (s.all_logits || i == n - 1) keep.push_back(static_cast<int32_t>(tokens.size()));
       tokens.push_back(t);
       position.push_back(s.start_pos + i);

@@ -15,6 +15,17 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
+// q (spread over the warp's lanes as qr[t] = q[lane + 32t]) . row, summed over the warp.
+__device__ __forceinline__ float WarpDot(const float (&qr)[kMaxPerLane], const float* row, int hd, int lane) {
+  float s = 0.f;
+#pragma unroll
+  for (int t = 0; t < kMaxPerLane; ++t) {
+    const int d = lane + 32 * t;
+    if (d < hd) s += qr[t] * row[d];
+  }
+  return WarpSum(s);
+}
+
 __device__ __forceinline__ float Act(int act, float v) {
   switch (act) {
     case 0: return v > 0.f ? v : 0.f;
@@ -119,14 +130,7 @@ __global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative
   }
   float m = -INFINITY, l = 0.f;
   for (int j = begin + warp; j < end; j += kWarps) {
-    const float* kj = kv.k + RowOffset(kv, table, h, j);
-    float dot = 0.f;
-#pragma unroll
-    for (int t = 0; t < kMaxPerLane; ++t) {
-      const int d = lane + 32 * t;
-      if (d < hd) dot += qr[t] * kj[d];
-    }
-    dot = WarpSum(dot);
+    const float dot = WarpDot(qr, kv.k + RowOffset(kv, table, h, j), hd, lane);
     const int dist = pos - j;
     float rv = 0.f;
     const float* value_extra = nullptr;
@@ -134,26 +138,12 @@ __global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative
       case relpos::Scheme::kSkew:
       case relpos::Scheme::kSkewLocal: {
         const int row = relpos::SkewRow(dist, rel.rows);
-        if (row >= 0) {
-          const float* e = rel.table_k + (int64_t{th} * rel.rows + row) * hd;
-#pragma unroll
-          for (int t = 0; t < kMaxPerLane; ++t) {
-            const int d = lane + 32 * t;
-            if (d < hd) rv += qr[t] * e[d];
-          }
-          rv = WarpSum(rv);
-        }
+        if (row >= 0) rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
         break;
       }
       case relpos::Scheme::kShaw: {
         const int row = relpos::ShawRow(pos, j, rel.clip_k);
-        const float* e = rel.table_k + (int64_t{th} * rel.rows + row) * hd;
-#pragma unroll
-        for (int t = 0; t < kMaxPerLane; ++t) {
-          const int d = lane + 32 * t;
-          if (d < hd) rv += qr[t] * e[d];
-        }
-        rv = WarpSum(rv);
+        rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
         if (rel.table_v != nullptr) value_extra = rel.table_v + (int64_t{th} * rel.rows + row) * hd;
         break;
       }

@@ -1,0 +1,34 @@
+#include "engine/backend.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace relgen {
+
+absl::Status ValidateSteps(absl::Span<const SequenceStep> steps, int vocab_size, int max_seq_len,
+                           const KvCacheConfig& kv) {
+  for (const SequenceStep& s : steps) {
+    const int n = static_cast<int>(s.tokens.size());
+    if (n == 0) return absl::InvalidArgumentError("a sequence step has no tokens");
+    const int64_t capacity = int64_t{kv.block_size} * static_cast<int64_t>(s.block_table.size());
+    if (s.start_pos < 0 || s.start_pos + n > capacity || s.start_pos + n > max_seq_len) {
+      return absl::OutOfRangeError(absl::StrCat("positions ", s.start_pos, "..", s.start_pos + n - 1,
+                                                " exceed the sequence's ", capacity,
+                                                " cached tokens or max_seq_len ", max_seq_len));
+    }
+    for (int32_t b : s.block_table) {
+      if (b < 0 || b >= kv.num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("KV block ", b, " outside the pool of ", kv.num_blocks));
+      }
+    }
+    for (int32_t t : s.tokens) {
+      if (t < 0 || t >= vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", t, " out of range; allowed 0..", vocab_size - 1));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace relgen
