@@ -8,25 +8,13 @@
 
 namespace relgen::cpu {
 
-void GemmNT(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-            float beta, float* c, int ldc) {
-  if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
-              ldc);
-}
-
-void GemmNN(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-            float beta, float* c, int ldc) {
-  if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
-              ldc);
-}
-
 void Linear(const float* x, int rows, int in, const float* w, const float* bias, int out, float* y) {
   if (bias != nullptr) {
     for (int r = 0; r < rows; ++r) std::copy(bias, bias + out, y + static_cast<int64_t>(r) * out);
   }
-  GemmNT(rows, out, in, 1.0f, x, in, w, in, bias != nullptr ? 1.0f : 0.0f, y, out);
+  if (rows == 0 || out == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, out, in, 1.0f, x, in, w, in,
+              bias != nullptr ? 1.0f : 0.0f, y, out);
 }
 
 void LayerNorm(const float* x, int rows, int dim, const float* weight, const float* bias, float eps,

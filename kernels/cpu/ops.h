@@ -8,15 +8,9 @@ namespace relgen::cpu {
 
 enum class Activation : int32_t { kRelu, kGelu, kGeluTanh, kSilu };
 
-// y[rows, out] = x[rows, in] * w[out, in]^T (+ bias[out] when not null). y must not alias x.
+// y[rows, out] = x[rows, in] * w[out, in]^T (+ bias[out] when not null) through cblas. y must not
+// alias x. The decoder uses LinearPacked (gemm.h) instead: cblas rows depend on the row count.
 void Linear(const float* x, int rows, int in, const float* w, const float* bias, int out, float* y);
-
-// c[m, n] = alpha * a[m, k] * b[n, k]^T + beta * c, with leading dimensions (row strides).
-void GemmNT(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-            float beta, float* c, int ldc);
-// c[m, n] = alpha * a[m, k] * b[k, n] + beta * c.
-void GemmNN(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-            float beta, float* c, int ldc);
 
 // Row-wise norms over `dim`; `bias` may be null. y may alias x.
 void LayerNorm(const float* x, int rows, int dim, const float* weight, const float* bias, float eps,
