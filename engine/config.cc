@@ -246,6 +246,11 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
       if (!f->is_string() || f->get<std::string>().empty()) {
         return Invalid("tokenizer.file", "must be a non-empty file name");
       }
+      // A name inside the model directory: the config may not point elsewhere on the disk.
+      const std::string name = f->get<std::string>();
+      if (name.find('/') != std::string::npos || name == "." || name == ".." || name.find('\0') != std::string::npos) {
+        return Invalid("tokenizer.file", absl::StrCat("is ", f->dump(), "; must be a file name in the model directory (no '/')"));
+      }
       c.tokenizer_file = f->get<std::string>();
     }
   }

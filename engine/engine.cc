@@ -27,7 +27,7 @@ absl::string_view FinishReasonName(FinishReason r) {
 void RequestHandle::Deliver(Output&& delta) {
   std::function<void()> listener;
   {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return;
     Output& p = pending_;
     p.token_ids.insert(p.token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
@@ -45,13 +45,18 @@ void RequestHandle::Deliver(Output&& delta) {
     has_pending_ = true;
     listener = listener_;
   }
+  readable_cv_.notify_all();
   if (listener) listener();
 }
 
 bool RequestHandle::Next(Output* out, absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (drained_) return false;
-  if (!mu_.AwaitWithTimeout(absl::Condition(this, &RequestHandle::Readable), timeout)) return false;
+  if (timeout == absl::InfiniteDuration()) {
+    readable_cv_.wait(lock, [this] { return has_pending_; });
+  } else if (!readable_cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout), [this] { return has_pending_; })) {
+    return false;
+  }
   *out = std::move(pending_);
   pending_ = Output();
   has_pending_ = false;
@@ -65,7 +70,7 @@ void RequestHandle::Cancel(FinishReason reason) {
   cancel_.store(true, std::memory_order_release);
   std::function<void()> listener;
   {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return;
     // Unread output is dropped: nothing reaches the reader after Cancel.
     pending_ = Output();
@@ -76,17 +81,18 @@ void RequestHandle::Cancel(FinishReason reason) {
     closed_ = true;
     listener = listener_;
   }
+  readable_cv_.notify_all();
   if (listener) listener();
 }
 
 void RequestHandle::SetListener(std::function<void()> listener) {
   bool readable;
   {
-    absl::MutexLock lock(&mu_);
-    listener_ = std::move(listener);
+    std::unique_lock<std::mutex> lock(mu_);
+    listener_ = listener;
     readable = has_pending_;
   }
-  if (readable && listener_) listener_();
+  if (readable && listener) listener();
 }
 
 // ---------------------------------------------------------------- Engine
@@ -138,10 +144,10 @@ Engine::~Engine() { Shutdown(); }
 
 void Engine::Shutdown() {
   {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (stop_) return;
     stop_ = true;
-    cv_.Signal();
+    cv_.notify_one();
   }
   if (thread_.joinable()) {
     thread_.join();
@@ -188,7 +194,7 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
   s->detok = tokenizer_->NewStream();
   s->submitted = absl::Now();
   std::shared_ptr<RequestHandle> handle = s->handle;
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (stop_) return absl::UnavailableError("the engine is shut down");
   if (queued_ >= config_.max_waiting) {
     return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", config_.max_waiting, " requests waiting)"));
@@ -196,17 +202,17 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
   s->id = next_seq_id_++;
   ++queued_;
   inbox_.push_back(std::move(s));
-  cv_.Signal();
+  cv_.notify_one();
   return handle;
 }
 
 EngineStats Engine::Stats() const {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   return stats_;
 }
 
 void Engine::TakeInbox() {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   while (!inbox_.empty()) {
     waiting_.push_back(std::move(inbox_.front()));
     inbox_.pop_front();
@@ -222,8 +228,8 @@ void Engine::RunOnce() {
 void Engine::Loop() {
   while (true) {
     {
-      absl::MutexLock lock(&mu_);
-      while (!stop_ && inbox_.empty() && running_.empty() && waiting_.empty()) cv_.Wait(&mu_);
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !inbox_.empty() || !running_.empty() || !waiting_.empty(); });
       if (stop_) break;
     }
     TakeInbox();
@@ -232,7 +238,7 @@ void Engine::Loop() {
   // Shut down: nothing outstanding survives.
   std::deque<std::unique_ptr<Seq>> inbox;
   {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     inbox.swap(inbox_);
   }
   for (auto* q : {&inbox, &waiting_}) {
@@ -249,7 +255,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   allocator_.Free(&s.blocks);
   {
     // Books first, so nothing a client has received is missing from them.
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     ++stats_.finished;
     stats_.kv_blocks_used = allocator_.num_used();
   }
@@ -286,7 +292,7 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
   }
   s.last_token = now;
   {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     ++stats_.generation_tokens;
   }
   Output o;
@@ -423,7 +429,7 @@ void Engine::Step() {
     if (!steps.empty()) config_.observer->OnStep(static_cast<int>(steps.size()), step_tokens);
     if (!plan.preempted.empty()) config_.observer->OnPreemptions(static_cast<int>(plan.preempted.size()));
   }
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   queued_ = static_cast<int>(inbox_.size() + waiting_.size());
   stats_.num_running = static_cast<int>(running_.size());
   stats_.num_waiting = queued_;

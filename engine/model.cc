@@ -1,5 +1,7 @@
 #include "engine/model.h"
 
+#include <cmath>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -106,6 +108,13 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromFiles(ModelConfig config
     }
     auto values = ToFloat32(*t);
     if (!values.ok()) return values.status();
+    // A flipped exponent bit reads as inf or NaN: refuse rather than serve garbage.
+    for (size_t i = 0; i < values->size(); ++i) {
+      if (!std::isfinite((*values)[i])) {
+        return bad(absl::StrCat("tensor '", spec.name, "' holds ", (*values)[i], " at element ", i,
+                                "; weights must be finite (corrupt file?)"));
+      }
+    }
     m->num_parameters_ += t->numel();
     m->storage_.emplace(spec.name, *std::move(values));
   }

@@ -78,8 +78,23 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   f->path_ = path;
   f->map_ = map;
   f->map_size_ = size;
-  const auto* bytes = static_cast<const uint8_t*>(map);
+  absl::Status s = f->Index(static_cast<const uint8_t*>(map), size);
+  if (!s.ok()) return s;
+  return f;
+}
 
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(const std::string& name,
+                                                                             const uint8_t* bytes, size_t size) {
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = name;
+  if (size < 8) return Bad(name, absl::StrCat("truncated: ", size, " bytes, shorter than the 8-byte header length"));
+  absl::Status s = f->Index(bytes, size);
+  if (!s.ok()) return s;
+  return f;
+}
+
+absl::Status SafetensorsFile::Index(const uint8_t* bytes, uint64_t size) {
+  const std::string& path = path_;
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
   if (header_len > kMaxHeaderBytes) {
@@ -139,20 +154,20 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                       ") lie past the end of the data (", data_size,
                                       " bytes): truncated or corrupt file"));
       }
-      if (end - begin != numel * found->size) {
+      if (numel > data_size / found->size || end - begin != numel * found->size) {
         return Bad(path, absl::StrCat(where, ": ", end - begin, " bytes for ", numel, " x ",
                                       found->name, " (expected ", numel * found->size, ")"));
       }
       t.data = data + begin;
       t.nbytes = end - begin;
-      f->tensors_.push_back(std::move(t));
+      tensors_.push_back(std::move(t));
     }
   } catch (const json::exception& e) {
     return Bad(path, absl::StrCat("malformed header: ", e.what()));
   }
   // Tensors may not overlap.
   std::vector<const TensorInfo*> sorted;
-  for (const auto& t : f->tensors_) sorted.push_back(&t);
+  for (const auto& t : tensors_) sorted.push_back(&t);
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->data < b->data; });
   for (size_t i = 1; i < sorted.size(); ++i) {
     if (sorted[i - 1]->data + sorted[i - 1]->nbytes > sorted[i]->data) {
@@ -160,7 +175,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                     "' overlap"));
     }
   }
-  return f;
+  return absl::OkStatus();
 }
 
 SafetensorsFile::~SafetensorsFile() {

@@ -31,6 +31,9 @@ struct TensorInfo {
 class SafetensorsFile {
  public:
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // The same checks over bytes in memory, which must outlive the result; `name` is used in errors.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBuffer(const std::string& name, const uint8_t* bytes,
+                                                                     size_t size);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -41,6 +44,7 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  absl::Status Index(const uint8_t* bytes, uint64_t size);
   std::string path_;
   void* map_ = nullptr;
   size_t map_size_ = 0;

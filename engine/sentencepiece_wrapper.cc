@@ -40,7 +40,12 @@ const Shim* LoadShim(std::string* error) {
     candidates.push_back(RELGEN_SPM_SHIM_PATH);
     void* h = nullptr;
     for (const std::string& path : candidates) {
+#ifdef RELGEN_SANITIZER
+      // Sanitizer runtimes refuse RTLD_DEEPBIND; sanitizer trees run SentencePiece without gRPC.
+      h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+#else
       h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+#endif
       if (h != nullptr) break;
       load_error += std::string(dlerror()) + "; ";
     }

@@ -20,8 +20,8 @@ HttpEndpoint::~HttpEndpoint() {
   if (listen_fd_ >= 0) close(listen_fd_);
 }
 
-absl::StatusOr<int> HttpEndpoint::Start(const std::string& listen, Handler metrics) {
-  metrics_ = std::move(metrics);
+absl::StatusOr<int> HttpEndpoint::Start(const std::string& listen, std::map<std::string, Handler> routes) {
+  routes_ = std::move(routes);
   const size_t colon = listen.rfind(':');
   int port = 0;
   if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 || port > 65535) {
@@ -76,20 +76,28 @@ void HttpEndpoint::Handle(int fd) {
     if (n <= 0) return;
     request.append(buf, n);
   }
-  const size_t line_end = request.find("\r\n");
-  const std::string line = request.substr(0, line_end);
-  std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", body;
-  if (line.rfind("GET /metrics ", 0) == 0 || line.rfind("GET /metrics?", 0) == 0) {
-    body = metrics_();
-  } else if (line.rfind("GET ", 0) == 0) {
-    status = "404 Not Found";
-    type = "text/plain; charset=utf-8";
-    body = "relgen serves GET /metrics here\n";
+  const std::string line = request.substr(0, request.find("\r\n"));
+  Reply reply;
+  std::string status = "200 OK";
+  if (line.rfind("GET ", 0) == 0) {
+    std::string path = line.substr(4, line.find(' ', 4) - 4);
+    path = path.substr(0, path.find('?'));
+    auto it = routes_.find(path);
+    if (it != routes_.end()) {
+      reply = it->second();
+      if (reply.code != 200) status = "503 Service Unavailable";
+    } else {
+      status = "404 Not Found";
+      reply.body = "relgen serves GET";
+      for (const auto& [p, h] : routes_) reply.body += " " + p;
+      reply.body += " here\n";
+    }
   } else {
     status = "405 Method Not Allowed";
-    type = "text/plain; charset=utf-8";
-    body = "only GET\n";
+    reply.body = "only GET\n";
   }
+  const std::string& type = reply.content_type;
+  const std::string& body = reply.body;
   const std::string response = absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type, "\r\nContent-Length: ",
                                             body.size(), "\r\nConnection: close\r\n\r\n", body);
   for (size_t off = 0; off < response.size();) {

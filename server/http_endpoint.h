@@ -1,4 +1,5 @@
-// A minimal HTTP/1.1 endpoint for GET /metrics (Prometheus text format), on a thread of its own.
+// A minimal HTTP/1.1 endpoint for the admin listener (GET /metrics, /healthz, /readyz), on a thread
+// of its own.
 // relgen serves metrics itself rather than through prometheus-cpp's civetweb exposer: Debian's
 // civetweb runs handlers on 100 KiB stacks, which glibc's printf can overflow.
 // One connection at a time, each bounded by a short I/O timeout; scrapes are small and rare.
@@ -6,6 +7,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -15,17 +17,23 @@ namespace relgen::server {
 
 class HttpEndpoint {
  public:
-  using Handler = std::function<std::string()>;  // returns the /metrics body
+  struct Reply {
+    int code = 200;  // 200 or 503
+    std::string content_type = "text/plain; charset=utf-8";
+    std::string body;
+  };
+  using Handler = std::function<Reply()>;
   ~HttpEndpoint();
 
-  // Listens on HOST:PORT (port 0 picks one) and serves until destroyed. Returns the bound port.
-  absl::StatusOr<int> Start(const std::string& listen, Handler metrics);
+  // Listens on HOST:PORT (port 0 picks one) and serves GET on `routes` (exact paths, query ignored)
+  // until destroyed. Returns the bound port.
+  absl::StatusOr<int> Start(const std::string& listen, std::map<std::string, Handler> routes);
 
  private:
   void Serve();
   void Handle(int fd);
 
-  Handler metrics_;
+  std::map<std::string, Handler> routes_;
   int listen_fd_ = -1;
   std::atomic<bool> stop_{false};
   std::thread thread_;

@@ -9,6 +9,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 
+#include <cctype>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -34,7 +35,8 @@
 
 ABSL_FLAG(std::string, model, "", "model directory; default: models/default (here, then in the source tree)");
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC address HOST:PORT (port 0 picks a free one)");
-ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400", "Prometheus /metrics address HOST:PORT (port 0 picks one)");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400",
+          "admin HTTP address HOST:PORT for /metrics, /healthz, /readyz (port 0 picks one)");
 ABSL_FLAG(std::string, device, "auto", "auto (CUDA when a GPU is present), cpu, cuda or cuda:N");
 ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
@@ -50,6 +52,13 @@ ABSL_FLAG(int64_t, max_message_bytes, 4 << 20, "largest gRPC message received (R
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM, time given to requests in flight");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificates: require every client to present a certificate they signed (mutual TLS; needs --tls_cert)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding a bearer token: GenerationService calls must send metadata 'authorization: Bearer <token>'");
+ABSL_FLAG(int32_t, max_concurrent_streams, 100, "concurrent calls per client connection (HTTP/2 streams)");
+ABSL_FLAG(double, stream_write_timeout_seconds, 30,
+          "cancel a stream whose client leaves a message unread this long (0: never)");
 
 namespace relgen::server {
 namespace {
@@ -102,17 +111,33 @@ int Main(int argc, char** argv) {
   o.drain_grace_seconds = absl::GetFlag(FLAGS_drain_grace_seconds);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  o.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  o.stream_write_timeout_seconds = absl::GetFlag(FLAGS_stream_write_timeout_seconds);
+  const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
 
   if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_waiting < 1 || o.kv_block_size < 1 ||
       o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
-      o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0) {
+      o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0 || o.max_concurrent_streams < 1 ||
+      !(o.stream_write_timeout_seconds >= 0)) {
     return Fail("a limit flag is out of range (counts >= 1, --threads >= 0, --max_message_bytes >= 1024, "
-                "--drain_grace_seconds >= 0)", 2);
+                "--drain_grace_seconds >= 0, --stream_write_timeout_seconds >= 0)", 2);
   }
   if (o.default_max_new_tokens > o.max_new_tokens) {
     return Fail("--default_max_new_tokens may not exceed --max_new_tokens", 2);
   }
   if (o.tls_cert.empty() != o.tls_key.empty()) return Fail("--tls_cert and --tls_key go together", 2);
+  if (!o.tls_client_ca.empty() && o.tls_cert.empty()) return Fail("--tls_client_ca needs --tls_cert and --tls_key", 2);
+  if (!token_file.empty()) {
+    if (!ReadFile(token_file, &o.auth_token)) return Fail("cannot read --auth_token_file " + token_file, 2);
+    while (!o.auth_token.empty() && std::isspace(static_cast<unsigned char>(o.auth_token.back()))) o.auth_token.pop_back();
+    if (o.auth_token.empty()) return Fail("--auth_token_file " + token_file + " holds no token", 2);
+    for (char ch : o.auth_token) {
+      if (ch < 0x21 || ch > 0x7e) {
+        return Fail("--auth_token_file: the token may hold printable ASCII only (no spaces or control characters)", 2);
+      }
+    }
+  }
   if (o.model.empty()) {
     o.model = DefaultModelDir();
     if (o.model.empty()) return Fail("no --model given and no default model in models/default", 2);
@@ -132,6 +157,10 @@ int Main(int argc, char** argv) {
     if (!ReadFile(o.tls_cert, &pair.cert_chain)) return Fail("cannot read --tls_cert " + o.tls_cert, 2);
     if (!ReadFile(o.tls_key, &pair.private_key)) return Fail("cannot read --tls_key " + o.tls_key, 2);
     ssl.pem_key_cert_pairs.push_back(pair);
+    if (!o.tls_client_ca.empty()) {
+      if (!ReadFile(o.tls_client_ca, &ssl.pem_root_certs)) return Fail("cannot read --tls_client_ca " + o.tls_client_ca, 2);
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
     creds = grpc::SslServerCredentials(ssl);
   }
 
@@ -144,6 +173,7 @@ int Main(int argc, char** argv) {
   builder.AddListeningPort(o.listen, creds, &port);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.max_message_bytes, INT32_MAX)));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen);
   server->GetHealthCheckService()->SetServingStatus(false);
@@ -175,15 +205,17 @@ int Main(int argc, char** argv) {
   metrics->SetEngine(engine->get());
   service.SetEngine(engine->get());
   server->GetHealthCheckService()->SetServingStatus(true);
+  metrics->SetServing(true);
 
   const int64_t kv_tokens = int64_t{kv.num_blocks} * kv.block_size;
   std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s) on %s; KV cache %lld tokens (%.1f MiB); "
-              "gRPC on %s%s; metrics on %s\n",
+              "gRPC on %s%s%s; metrics on %s\n",
               c.name.c_str(), o.model.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
               static_cast<long long>((*model)->num_parameters()), std::string(DTypeName((*model)->file_dtype())).c_str(),
               device_name.c_str(), static_cast<long long>(kv_tokens), kv_tokens * CpuKvBytesPerToken(c) / 1048576.0,
-              WithPort(o.listen, port).c_str(), o.tls_cert.empty() ? "" : " (TLS)",
-              WithPort(o.metrics_listen, *metrics_port).c_str());
+              WithPort(o.listen, port).c_str(),
+              o.tls_cert.empty() ? "" : (o.tls_client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
+              o.auth_token.empty() ? "" : " (bearer token)", WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
 
   int sig = 0;
@@ -192,6 +224,7 @@ int Main(int argc, char** argv) {
               service.in_flight(), o.drain_grace_seconds);
   std::fflush(stdout);
   server->GetHealthCheckService()->SetServingStatus(false);
+  metrics->SetServing(false);
   service.StartDraining();
   const absl::Time give_up = absl::Now() + absl::Seconds(o.drain_grace_seconds);
   while (service.in_flight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));

@@ -97,6 +97,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   prompt_tokens_ = counter("relgen_prompt_tokens_total", "Prompt tokens of finished requests.");
   generation_tokens_ = counter("relgen_generation_tokens_total", "Generated tokens.");
   preemptions_ = counter("relgen_preemptions_total", "Sequences preempted for lack of KV cache (recomputed later).");
+  received_ = counter("relgen_requests_received_total",
+                      "Generate and GenerateStream calls that reached the server (refused ones included).");
+  stream_write_timeouts_ = counter("relgen_stream_write_timeouts_total",
+                                   "Streams cancelled because the client left a write unread past --stream_write_timeout_seconds.");
   requests_ = &prometheus::BuildCounter().Name("relgen_requests_total").Help("Finished requests by finish reason.").Register(*registry_);
   for (const char* r : kFinishReasons) requests_->Add({{"finish_reason", r}});
   errors_ = &prometheus::BuildCounter().Name("relgen_request_errors_total")
@@ -107,7 +111,16 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 Metrics::~Metrics() = default;
 
 absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
-  return http_.Start(listen, [this] { return Text(); });
+  std::map<std::string, HttpEndpoint::Handler> routes;
+  routes["/metrics"] = [this] {
+    return HttpEndpoint::Reply{200, "text/plain; version=0.0.4; charset=utf-8", Text()};
+  };
+  routes["/healthz"] = [] { return HttpEndpoint::Reply{200, "text/plain; charset=utf-8", "alive\n"}; };
+  routes["/readyz"] = [this] {
+    const bool ready = serving_.load();
+    return HttpEndpoint::Reply{ready ? 200 : 503, "text/plain; charset=utf-8", ready ? "serving\n" : "not serving\n"};
+  };
+  return http_.Start(listen, std::move(routes));
 }
 
 std::string Metrics::Text() const {

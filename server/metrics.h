@@ -25,14 +25,22 @@ class Metrics final : public EngineObserver {
   Metrics();
   ~Metrics() override;
 
-  // Serves GET /metrics on `listen` (HOST:PORT; port 0 picks one). Returns the bound port.
+  // Serves the admin listener on `listen` (HOST:PORT; port 0 picks one): GET /metrics, /healthz
+  // (200 while the process runs) and /readyz (200 while serving, 503 while loading or draining).
+  // Returns the bound port.
   absl::StatusOr<int> Serve(const std::string& listen);
+  // What /readyz answers; mirrors the gRPC health status.
+  void SetServing(bool serving) { serving_.store(serving); }
   // The Prometheus text exposition of every metric, as scraped.
   std::string Text() const;
   // The engine whose state the gauges report (null before the model is loaded).
   void SetEngine(const Engine* engine) { engine_.store(engine); }
   // A request answered with a non-OK status before or outside the engine's books.
   void OnRefused(grpc::StatusCode code);
+  // A Generate or GenerateStream call reached the handler (before validation).
+  void OnReceived() { received_->Increment(); }
+  // A stream cancelled because its client left a write unread past --stream_write_timeout_seconds.
+  void OnStreamWriteTimeout() { stream_write_timeouts_->Increment(); }
 
   void OnStep(int num_seqs, int num_tokens) override;
   void OnPreemptions(int count) override;
@@ -45,6 +53,7 @@ class Metrics final : public EngineObserver {
   std::shared_ptr<LiveGauges> live_;
   HttpEndpoint http_;
   std::atomic<const Engine*> engine_{nullptr};
+  std::atomic<bool> serving_{false};
 
   prometheus::Histogram* ttft_;
   prometheus::Histogram* tpot_;
@@ -56,6 +65,8 @@ class Metrics final : public EngineObserver {
   prometheus::Counter* prompt_tokens_;
   prometheus::Counter* generation_tokens_;
   prometheus::Counter* preemptions_;
+  prometheus::Counter* stream_write_timeouts_;
+  prometheus::Counter* received_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* errors_;
 };

@@ -22,8 +22,12 @@ struct Options {
   int default_max_new_tokens = 128;
   int64_t max_prompt_bytes = 256 << 10;  // text prompts
   int64_t max_message_bytes = 4 << 20;   // gRPC's own limit on a received message
+  int max_concurrent_streams = 100;      // HTTP/2 streams per client connection
+  double stream_write_timeout_seconds = 30;  // a stream whose reader stalls this long is cancelled
   double drain_grace_seconds = 30;
   std::string tls_cert, tls_key;
+  std::string tls_client_ca;             // set: clients must present a certificate it signed (mTLS)
+  std::string auth_token;                // set: GenerationService calls need "authorization: Bearer <it>"
 };
 
 }  // namespace relgen::server

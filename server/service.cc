@@ -1,11 +1,13 @@
 #include "server/service.h"
 
+#include <algorithm>
 #include <mutex>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "server/auth.h"
 #include "server/validation.h"
 
 namespace relgen::server {
@@ -62,6 +64,31 @@ bool DeadlinePassed(grpc::CallbackServerContext* ctx) {
          std::chrono::system_clock::now() + kMargin >= ctx->deadline();
 }
 
+#ifdef RELGEN_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
+
+// gRPC orders a reactor's callbacks through its core, which the TSan tree cannot see (Debian's gRPC
+// is not instrumented); this tells TSan about that order. No code outside the TSan tree.
+class Handoff {
+ public:
+  explicit Handoff(void* reactor) : reactor_(reactor) {
+#ifdef RELGEN_TSAN
+    __tsan_acquire(reactor_);
+#endif
+  }
+  ~Handoff() {
+#ifdef RELGEN_TSAN
+    if (reactor_ != nullptr) __tsan_release(reactor_);
+#endif
+  }
+  void Forget() { reactor_ = nullptr; }  // the reactor is about to be deleted
+
+ private:
+  void* reactor_;
+};
+
 // What both call kinds share. Lifetime: the engine may signal a call (from its thread) until the
 // call's final output is delivered; the signal reaches the reactor only through the guard, which
 // OnDone disarms before the reactor is deleted. Derived::Pump runs with the guard held.
@@ -71,8 +98,13 @@ class Call : public Reactor {
   Call(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle)
       : service_(service), ctx_(ctx), handle_(std::move(handle)), guard_(std::make_shared<Guard>()) {}
 
-  void OnCancel() override { handle_->Cancel(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled); }
+  void OnCancel() override {
+    Handoff h(this);
+    handle_->Cancel(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled);
+  }
   void OnDone() override {
+    Handoff h(this);
+    h.Forget();
     {
       std::lock_guard<std::recursive_mutex> lock(guard_->mu);
       guard_->call = nullptr;
@@ -88,10 +120,14 @@ class Call : public Reactor {
   };
   // Called by Derived's constructor once it is complete: output may be readable already.
   void Arm() {
+    Handoff h(this);
     guard_->call = static_cast<Derived*>(this);
     handle_->SetListener([g = guard_] {
       std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->call != nullptr) g->call->Pump();
+      if (g->call != nullptr) {
+        Handoff h(g->call);
+        g->call->Pump();
+      }
     });
   }
 
@@ -137,11 +173,22 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
   StreamCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
              std::string request_id)
       : Call(service, ctx, std::move(handle)), request_id_(std::move(request_id)) {
+    clock_.ctx = ctx;
+    service->Watch(&clock_);
     Arm();
   }
 
+  void OnDone() override {
+    Handoff h(this);
+    h.Forget();
+    service_->Unwatch(&clock_);
+    Call::OnDone();
+  }
+
   void OnWriteDone(bool ok) override {
+    Handoff h(this);
     std::lock_guard<std::recursive_mutex> lock(guard_->mu);
+    clock_.pending_since_ns.store(0);
     writing_ = false;
     if (!ok) {  // the stream is broken: the client is gone or the call was cancelled
       handle_->Cancel();
@@ -163,6 +210,7 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
     msg_.set_request_id(request_id_);
     msg_.set_text_delta(o.text);
     FillTokens(o, service_->tokenizer(), msg_.mutable_token_ids(), msg_.mutable_logprobs());
+    clock_.pending_since_ns.store(SteadyNanos());
     if (!o.finished) {
       writing_ = true;
       StartWrite(&msg_);
@@ -171,6 +219,7 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
     finished_ = true;
     const grpc::Status status = FinalStatus(o);
     if (!status.ok()) {
+      clock_.pending_since_ns.store(0);
       service_->Refused(status);
       Finish(status);
       return;
@@ -183,6 +232,7 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
   std::string request_id_;
   v1::GenerateStreamResponse msg_;
   bool writing_ = false;
+  GenerationService::WriteClock clock_;
 };
 
 }  // namespace
@@ -214,13 +264,66 @@ grpc::Status FinalStatus(const Output& o) {
   }
 }
 
+int64_t SteadyNanos() {
+  const int64_t t = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch()).count();
+  return t == 0 ? 1 : t;
+}
+
+GenerationService::GenerationService(const Options& options, Metrics* metrics)
+    : options_(options), metrics_(metrics) {
+  if (options_.stream_write_timeout_seconds > 0) watchdog_ = std::thread([this] { WatchdogLoop(); });
+}
+
+GenerationService::~GenerationService() {
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    stop_watchdog_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+void GenerationService::Watch(WriteClock* clock) {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  watched_.insert(clock);
+}
+
+void GenerationService::Unwatch(WriteClock* clock) {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  watched_.erase(clock);
+}
+
+// Cancels streams whose pending write has waited past the timeout. The context stays valid while
+// its clock is watched: Unwatch (in OnDone) takes the same lock.
+void GenerationService::WatchdogLoop() {
+  const int64_t timeout_ns = static_cast<int64_t>(options_.stream_write_timeout_seconds * 1e9);
+  const auto period = std::chrono::milliseconds(
+      std::clamp<int64_t>(static_cast<int64_t>(options_.stream_write_timeout_seconds * 100), 10, 1000));
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  while (!stop_watchdog_) {
+    watch_cv_.wait_for(lock, period);
+    const int64_t now = SteadyNanos();
+    for (WriteClock* c : watched_) {
+      const int64_t since = c->pending_since_ns.load();
+      if (since != 0 && !c->timed_out && now - since > timeout_ns) {
+        c->timed_out = true;
+        metrics_->OnStreamWriteTimeout();
+        c->ctx->TryCancel();
+      }
+    }
+  }
+}
+
 grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
                                       std::shared_ptr<RequestHandle>* handle, std::string* request_id) {
   Engine* engine = engine_.load();
   if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
   if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
+  grpc::Status auth = CheckBearerToken(ctx->client_metadata(), options_.auth_token);
+  if (!auth.ok()) return auth;
   Request r;
-  grpc::Status s = ToEngineRequest(req, engine->model(), engine->tokenizer(), options_, &r);
+  grpc::Status s = ToEngineRequest(req, engine->model().config(), engine->tokenizer(), options_, &r);
   if (!s.ok()) return s;
   if (r.id.empty()) r.id = NewRequestId();
   *request_id = r.id;
@@ -234,6 +337,7 @@ grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,
                                                       const v1::GenerateRequest* req, v1::GenerateResponse* resp) {
+  metrics_->OnReceived();
   std::shared_ptr<RequestHandle> handle;
   std::string id;
   const grpc::Status s = Admit(ctx, *req, &handle, &id);
@@ -249,6 +353,7 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
 
 grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::GenerateStream(
     grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
+  metrics_->OnReceived();
   std::shared_ptr<RequestHandle> handle;
   std::string id;
   const grpc::Status s = Admit(ctx, *req, &handle, &id);
@@ -270,6 +375,12 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   Engine* engine = engine_.load();
   if (engine == nullptr) {
     r->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading"));
+    return r;
+  }
+  grpc::Status auth = CheckBearerToken(ctx->client_metadata(), options_.auth_token);
+  if (!auth.ok()) {
+    Refused(auth);
+    r->Finish(auth);
     return r;
   }
   const ModelConfig& c = engine->model().config();

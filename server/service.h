@@ -2,10 +2,16 @@
 // thread signals readable output; each call keeps at most one write in flight and the engine merges
 // output while a write is pending, so a slow reader neither stalls the engine nor grows memory
 // beyond its own output. Client cancel or disconnect, and a passed deadline, cancel the request in
-// the engine at its next step.
+// the engine at its next step. A stream whose client leaves a write unread for
+// --stream_write_timeout_seconds is cancelled (a watchdog thread), so a reader that never reads holds
+// its KV blocks and buffered output for a bounded time only.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include "engine/engine.h"
 #include "relgen/v1/generation.grpc.pb.h"
@@ -16,7 +22,8 @@ namespace relgen::server {
 
 class GenerationService final : public v1::GenerationService::CallbackService {
  public:
-  GenerationService(const Options& options, Metrics* metrics) : options_(options), metrics_(metrics) {}
+  GenerationService(const Options& options, Metrics* metrics);
+  ~GenerationService() override;
 
   // Requests are answered UNAVAILABLE until the engine is set (the model is loading).
   void SetEngine(Engine* engine) { engine_.store(engine); }
@@ -39,13 +46,33 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   void CallDone() { in_flight_.fetch_sub(1); }
   const Tokenizer& tokenizer() const { return engine_.load()->tokenizer(); }
 
+  // When a stream's pending write started (steady clock, ns; 0: none pending), watched by the
+  // watchdog from Watch until Unwatch.
+  struct WriteClock {
+    grpc::CallbackServerContext* ctx = nullptr;
+    std::atomic<int64_t> pending_since_ns{0};
+    bool timed_out = false;  // guarded by watch_mu_
+  };
+  void Watch(WriteClock* clock);
+  void Unwatch(WriteClock* clock);
+
  private:
   const Options& options_;
   Metrics* metrics_;
   std::atomic<Engine*> engine_{nullptr};
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
+
+  void WatchdogLoop();
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  std::set<WriteClock*> watched_;
+  bool stop_watchdog_ = false;
+  std::thread watchdog_;
 };
+
+// Steady-clock nanoseconds (never 0).
+int64_t SteadyNanos();
 
 // The gRPC status a finished request ends with.
 grpc::Status FinalStatus(const Output& final_output);

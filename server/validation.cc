@@ -14,9 +14,8 @@ grpc::Status Invalid(absl::string_view field, absl::string_view what) {
 
 }  // namespace
 
-grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const Model& model,
+grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c,
                              const Tokenizer& tokenizer, const Options& options, Request* out) {
-  const ModelConfig& c = model.config();
   if (in.request_id().size() > kMaxRequestIdBytes) {
     return Invalid("request_id", absl::StrCat(in.request_id().size(), " bytes; allowed at most ", kMaxRequestIdBytes));
   }

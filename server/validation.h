@@ -16,7 +16,7 @@ inline constexpr int kMaxStopTokenIds = 64;
 inline constexpr int kMaxLogprobs = 20;
 inline constexpr int kMaxRequestIdBytes = 128;
 
-grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const Model& model,
+grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& config,
                              const Tokenizer& tokenizer, const Options& options, Request* out);
 
 }  // namespace relgen::server

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -29,6 +30,8 @@ class ServerProcess {
     if (pipe(out) != 0) return false;
     pid_ = fork();
     if (pid_ == 0) {
+      // Sanitizer trees check the server with options of its own (the test client is not checked).
+      if (const char* tsan = std::getenv("RELGEN_SERVER_TSAN_OPTIONS")) setenv("TSAN_OPTIONS", tsan, 1);
       dup2(out[1], 1);
       dup2(out[1], 2);
       close(out[0]);
@@ -84,6 +87,7 @@ class ServerProcess {
   }
 
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
   int metrics_port() const { return metrics_port_; }
   const std::string& startup_output() const { return output_; }
 
@@ -111,8 +115,8 @@ class ServerProcess {
   std::thread reader_;
 };
 
-// GET http://127.0.0.1:port/metrics, the body.
-inline std::string Scrape(int port) {
+// GET http://127.0.0.1:port<path>: the status line and the body, split at the blank line.
+inline std::string HttpGet(int port, const std::string& path) {
   const int s = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -120,7 +124,7 @@ inline std::string Scrape(int port) {
   inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
   std::string body;
   if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
     if (write(s, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
       char buf[65536];
       ssize_t n;
@@ -128,8 +132,24 @@ inline std::string Scrape(int port) {
     }
   }
   close(s);
-  const size_t start = body.find("\r\n\r\n");
-  return start == std::string::npos ? body : body.substr(start + 4);
+  return body;
+}
+
+// GET http://127.0.0.1:port/metrics, the body.
+inline std::string Scrape(int port) {
+  const std::string r = HttpGet(port, "/metrics");
+  const size_t start = r.find("\r\n\r\n");
+  return start == std::string::npos ? r : r.substr(start + 4);
+}
+
+// Resident set size of a process in bytes (0 when unknown).
+inline int64_t RssBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoll(line.c_str() + 6, nullptr, 10) * 1024;
+  }
+  return 0;
 }
 
 // Sample lines "name{labels} value" -> value; the key is the text before the value.

@@ -11,6 +11,7 @@
 #include "engine/cpu_backend.h"
 #include "engine/engine.h"
 #include "relgen/v1/generation.grpc.pb.h"
+#include "tests/grpc_test_util.h"
 #include "tests/server_process.h"
 #include "tests/test_util.h"
 
@@ -18,19 +19,6 @@ namespace relgen {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::string ModelDir(const std::string& name) { return testing::GoldenDir() + "/engine/" + name; }
-
-std::unique_ptr<testing::ServerProcess> StartServer(const std::vector<std::string>& args) {
-  auto p = std::make_unique<testing::ServerProcess>();
-  std::string error;
-  EXPECT_TRUE(p->Start(args, &error)) << error;
-  return p;
-}
-
-std::unique_ptr<v1::GenerationService::Stub> Stub(const testing::ServerProcess& p) {
-  return v1::GenerationService::NewStub(grpc::CreateChannel(p.address(), grpc::InsecureChannelCredentials()));
-}
 
 std::string Bytes(const grpc::ByteBuffer& b) {
   std::vector<grpc::Slice> slices;
@@ -77,44 +65,6 @@ std::string ReflectionListServices(const std::string& address) {
   call->Finish(&status, reinterpret_cast<void*>(5));
   step(5);
   return Bytes(resp);
-}
-
-struct Collected {
-  std::vector<int32_t> tokens;
-  std::string text;
-  v1::FinishReason reason = v1::FINISH_REASON_UNSPECIFIED;
-  int chunks = 0;
-  grpc::Status status;
-  v1::Usage usage;
-};
-
-Collected Stream(v1::GenerationService::Stub& stub, const v1::GenerateRequest& req, int cancel_after = -1,
-                 std::chrono::milliseconds deadline = std::chrono::milliseconds(0)) {
-  grpc::ClientContext ctx;
-  if (deadline.count() > 0) ctx.set_deadline(std::chrono::system_clock::now() + deadline);
-  auto reader = stub.GenerateStream(&ctx, req);
-  Collected c;
-  v1::GenerateStreamResponse m;
-  while (reader->Read(&m)) {
-    ++c.chunks;
-    c.tokens.insert(c.tokens.end(), m.token_ids().begin(), m.token_ids().end());
-    c.text += m.text_delta();
-    if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-      c.reason = m.finish_reason();
-      c.usage = m.usage();
-    }
-    if (c.chunks == cancel_after) ctx.TryCancel();
-  }
-  c.status = reader->Finish();
-  return c;
-}
-
-v1::GenerateRequest TokenRequest(std::vector<int32_t> ids, int max_new) {
-  v1::GenerateRequest r;
-  for (int32_t t : ids) r.mutable_token_ids()->add_ids(t);
-  r.set_max_new_tokens(max_new);
-  r.set_ignore_eos(true);
-  return r;
 }
 
 // The same request through the engine API in this process.
@@ -295,22 +245,6 @@ TEST_F(ServerTest, MessageOverGrpcLimitIsRefusedByGrpc) {
   grpc::ClientContext ctx;
   v1::GenerateResponse resp;
   EXPECT_EQ(stub->Generate(&ctx, req, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-}
-
-double Metric(const std::map<std::string, double>& m, const std::string& key) {
-  auto it = m.find(key);
-  return it == m.end() ? -1 : it->second;
-}
-
-// Polls /metrics until `pred` holds (or 10 s pass); returns the last sample.
-std::map<std::string, double> WaitForMetrics(int port, const std::function<bool(const std::map<std::string, double>&)>& pred) {
-  std::map<std::string, double> m;
-  for (int i = 0; i < 200; ++i) {
-    m = testing::ParseMetrics(testing::Scrape(port));
-    if (pred(m)) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return m;
 }
 
 TEST(ServerCancelTest, CancelAndDeadlineFreeBlocksAndAreCounted) {

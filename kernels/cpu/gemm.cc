@@ -31,7 +31,14 @@ __attribute__((always_inline)) inline void Micro(const float* x, int ldx, const 
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#ifdef RELGEN_TSAN
+// The clone resolver runs before TSan's runtime is up, and TSan instruments it: one plain version.
+#define RELGEN_CLONES
+#else
+#define RELGEN_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#endif
+
+RELGEN_CLONES
 void PanelRange(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                 int p_begin, int p_end) {
   const int k = w.k(), n = w.n();

@@ -1,0 +1,65 @@
+// Request validation of arbitrary bytes read as a GenerateRequest: either INVALID_ARGUMENT naming
+// the field ("field: what; allowed ..."), or an engine request inside every limit.
+#include <cstddef>
+#include <cstdint>
+
+#include "engine/tokenizer.h"
+#include "server/validation.h"
+#include "tests/fuzz/fuzz_check.h"
+
+namespace {
+
+relgen::ModelConfig Config() {
+  relgen::ModelConfig c;
+  c.vocab_size = 260;
+  c.max_seq_len = 64;
+  c.bos_token_id = 256;
+  c.eos_token_id = 257;
+  return c;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const relgen::ModelConfig config = Config();
+  static const auto tokenizer = relgen::NewByteTokenizer();
+  static const relgen::server::Options options = [] {
+    relgen::server::Options o;
+    o.max_new_tokens = 40;
+    o.default_max_new_tokens = 8;
+    o.max_prompt_bytes = 48;
+    return o;
+  }();
+  relgen::v1::GenerateRequest req;
+  if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
+  relgen::Request out;
+  const grpc::Status s = relgen::server::ToEngineRequest(req, config, *tokenizer, options, &out);
+  if (!s.ok()) {
+    FUZZ_CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    FUZZ_CHECK(s.error_message().find(": ") != std::string::npos);
+    return 0;
+  }
+  const int n = static_cast<int>(out.prompt.size());
+  FUZZ_CHECK(n >= 1 && n < config.max_seq_len);
+  for (int32_t t : out.prompt) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
+  if (req.has_text()) {
+    FUZZ_CHECK(static_cast<int64_t>(req.text().size()) <= options.max_prompt_bytes);
+    FUZZ_CHECK(out.prompt[0] == config.bos_token_id);
+  }
+  FUZZ_CHECK(out.stop.max_new_tokens >= 1 && out.stop.max_new_tokens <= options.max_new_tokens);
+  FUZZ_CHECK(n + out.stop.max_new_tokens <= config.max_seq_len);
+  const relgen::SamplingParams& p = out.sampling;
+  FUZZ_CHECK(p.temperature >= 0 && p.temperature <= 100);
+  FUZZ_CHECK(p.top_k >= 0 && p.top_k <= config.vocab_size);
+  FUZZ_CHECK(p.top_p > 0 && p.top_p <= 1);
+  FUZZ_CHECK(p.repetition_penalty > 0 && p.repetition_penalty <= 10);
+  FUZZ_CHECK(p.logprobs <= relgen::server::kMaxLogprobs);
+  FUZZ_CHECK(out.stop.stop_strings.size() <= static_cast<size_t>(relgen::server::kMaxStopStrings));
+  for (const std::string& st : out.stop.stop_strings) {
+    FUZZ_CHECK(!st.empty() && st.size() <= static_cast<size_t>(relgen::server::kMaxStopStringBytes));
+  }
+  FUZZ_CHECK(out.stop.stop_token_ids.size() <= static_cast<size_t>(relgen::server::kMaxStopTokenIds));
+  for (int32_t t : out.stop.stop_token_ids) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
+  FUZZ_CHECK(out.id.size() <= static_cast<size_t>(relgen::server::kMaxRequestIdBytes));
+  return 0;
+}

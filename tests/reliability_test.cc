@@ -1,0 +1,453 @@
+// Faults and security against a real server on loopback: KV exhaustion under load, malformed and
+// oversized messages, a client that never reads, corrupt model files at start, bearer-token auth,
+// mutual TLS, the admin listener's health endpoints, per-connection stream limits, and requests
+// that look like paths.
+#include <dirent.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <set>
+#include <thread>
+
+#include "nlohmann/json.hpp"
+#include "server/auth.h"
+#include "tests/grpc_test_util.h"
+#include "tests/server_process.h"
+
+namespace relgen {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::shared_ptr<grpc::Channel> Plain(const testing::ServerProcess& p) {
+  return grpc::CreateChannel(p.address(), grpc::InsecureChannelCredentials());
+}
+
+// ------------------------------------------------------------------ KV exhaustion
+
+TEST(FaultTest, KvExhaustionPreemptsAndKeepsEveryOutput) {
+  // 32 blocks of 16 tokens for 12 sequences that each grow to 5-7 blocks: the cache runs out
+  // mid-generation, and the newest sequences are preempted and recomputed.
+  auto tight = StartServer({"--model", ModelDir("skew"), "--kv_cache_tokens", "512", "--max_num_seqs", "12"});
+  auto roomy = StartServer({"--model", ModelDir("skew"), "--kv_cache_tokens", "8192", "--max_num_seqs", "1"});
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 12; ++i) {
+    std::vector<int32_t> prompt(10 + 3 * i);
+    for (size_t k = 0; k < prompt.size(); ++k) prompt[k] = static_cast<int32_t>((37 * i + 11 * k) % 256);
+    v1::GenerateRequest r = TokenRequest(prompt, 60);
+    r.set_temperature(0.9f);
+    r.set_seed(100 + i);
+    reqs.push_back(r);
+  }
+  auto tight_stub = Stub(*tight);
+  std::vector<std::future<Collected>> calls;
+  for (const auto& r : reqs) calls.push_back(std::async(std::launch::async, [&, r] { return Stream(*tight_stub, r); }));
+  auto roomy_stub = Stub(*roomy);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const Collected under_pressure = calls[i].get();
+    const Collected alone = Stream(*roomy_stub, reqs[i]);
+    ASSERT_TRUE(under_pressure.status.ok()) << i << ": " << under_pressure.status.error_message();
+    ASSERT_TRUE(alone.status.ok());
+    EXPECT_EQ(under_pressure.tokens, alone.tokens) << "request " << i;
+    EXPECT_EQ(under_pressure.tokens.size(), 60u);
+  }
+  const auto m = WaitForMetrics(tight->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_requests_total{finish_reason=\"length\"}") == 12;
+  });
+  EXPECT_GT(Metric(m, "relgen_preemptions_total"), 0) << "the cache should have run out";
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"length\"}"), 12);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"free\"}"), 32);
+}
+
+// ------------------------------------------------------------------ malformed and oversized
+
+std::pair<grpc::Status, std::string> RawUnary(const std::shared_ptr<grpc::Channel>& ch, const std::string& method,
+                                              const std::string& bytes) {
+  grpc::GenericStub stub(ch);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) { done.set_value(s); });
+  const grpc::Status s = done.get_future().get();
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (s.ok() && resp.Dump(&slices).ok()) {
+    for (const auto& sl : slices) out.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  return {s, out};
+}
+
+TEST(FaultTest, MalformedAndOversizedMessagesAreRefusedAndTheServerGoesOn) {
+  auto server = StartServer({"--model", ModelDir("none"), "--kv_cache_tokens", "4096", "--max_message_bytes", "65536"});
+  auto ch = Plain(*server);
+  const std::string method = "/relgen.v1.GenerationService/Generate";
+  const std::vector<std::string> malformed = {
+      std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11),  // a varint tag over 64 bits
+      std::string("\x12\x80\x80\x80\x80\x08", 6),                        // text whose length runs past the end
+      std::string("\x1a\x05\x0a\x03\x01", 5),                            // token_ids cut inside its packed ids
+      std::string("\x0b", 1),                                            // a group start with no end
+  };
+  for (const std::string& bytes : malformed) {
+    const auto [s, body] = RawUnary(ch, method, bytes);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.error_code(), grpc::StatusCode::UNAVAILABLE) << "the server must stay up";
+  }
+  // Well-formed protobuf that is not a valid request: answered INVALID_ARGUMENT naming the field.
+  const auto [empty_status, empty_body] = RawUnary(ch, method, "");
+  EXPECT_EQ(empty_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(empty_status.error_message(), HasSubstr("prompt"));
+  // Over --max_message_bytes: gRPC refuses it before it is parsed.
+  v1::GenerateRequest big;
+  big.set_text(std::string(100000, 'a'));
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  EXPECT_EQ(v1::GenerationService::NewStub(ch)->Generate(&ctx, big, &resp).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // Still serving.
+  grpc::ClientContext ok_ctx;
+  ASSERT_TRUE(v1::GenerationService::NewStub(ch)->Generate(&ok_ctx, TokenRequest({1, 2, 3}, 4), &resp).ok());
+  EXPECT_EQ(resp.token_ids_size(), 4);
+}
+
+// ------------------------------------------------------------------ a client that never reads
+
+TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192",
+                             "--stream_write_timeout_seconds", "1"});
+  // A connection whose receive window is tiny, so the server's writes stall once it is full.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto stalled_channel = grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args);
+  auto stalled_stub = v1::GenerationService::NewStub(stalled_channel);
+  grpc::ClientContext stalled_ctx;
+  auto reader = stalled_stub->GenerateStream(&stalled_ctx, TokenRequest({9, 8, 7}, 1800));
+  const auto t0 = std::chrono::steady_clock::now();
+
+  // Meanwhile the server serves others.
+  const Collected other = Stream(*Stub(*server), TokenRequest({1, 2}, 10));
+  EXPECT_TRUE(other.status.ok());
+
+  auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_stream_write_timeouts_total") == 1 &&
+           Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == 1 &&
+           Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
+  });
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(Metric(m, "relgen_stream_write_timeouts_total"), 1);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
+  EXPECT_LT(waited, 8.0);
+  // Generation for it stopped: the token count does not move any more.
+  const double tokens = Metric(m, "relgen_generation_tokens_total");
+  EXPECT_LT(tokens, 1800 + 10) << "the stalled request must not run to its end";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(Metric(testing::ParseMetrics(testing::Scrape(server->metrics_port())), "relgen_generation_tokens_total"), tokens);
+
+  // The client, reading at last, gets what was sent before the stall and then CANCELLED.
+  v1::GenerateStreamResponse msg;
+  int received = 0;
+  while (reader->Read(&msg)) received += msg.token_ids_size();
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(received, 1800);
+}
+
+// ------------------------------------------------------------------ corrupt model files at start
+
+class CorruptModelTest : public ::testing::Test {
+ protected:
+  // A copy of a golden model to damage.
+  std::string Copy(const std::string& name, const std::string& from = "none") {
+    const std::string dir = testing::TempDir("corrupt_" + name);
+    EXPECT_EQ(std::system(("rm -rf '" + dir + "' && mkdir -p '" + dir + "' && cp -r '" + ModelDir(from) + "/.' '" + dir + "'").c_str()), 0);
+    return dir;
+  }
+  // Starts the server on `dir`; it must exit 1 without serving, saying `what`.
+  void ExpectRefused(const std::string& dir, const std::vector<std::string>& what) {
+    testing::ServerProcess p;
+    std::string error;
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_FALSE(p.Start({"--model", dir, "--kv_cache_tokens", "1024"}, &error)) << "it served a corrupt model";
+    std::string output;
+    EXPECT_EQ(p.Wait(&output), 1);
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+    EXPECT_THAT(error, HasSubstr("cannot load model"));
+    for (const std::string& w : what) EXPECT_THAT(error, HasSubstr(w));
+  }
+  static uint64_t DataStart(const std::string& bytes) {
+    uint64_t n = 0;
+    std::memcpy(&n, bytes.data(), 8);
+    return 8 + n;
+  }
+};
+
+TEST_F(CorruptModelTest, TruncatedWeights) {
+  const std::string dir = Copy("truncated");
+  const std::string w = testing::ReadFile(dir + "/model.safetensors");
+  testing::WriteFile(dir + "/model.safetensors", w.substr(0, w.size() - 100));
+  ExpectRefused(dir, {"model.safetensors", "truncated or corrupt file"});
+}
+
+TEST_F(CorruptModelTest, GarbledHeader) {
+  const std::string dir = Copy("header");
+  std::string w = testing::ReadFile(dir + "/model.safetensors");
+  for (int i = 8; i < 24; ++i) w[i] = '#';
+  testing::WriteFile(dir + "/model.safetensors", w);
+  ExpectRefused(dir, {"model.safetensors", "header is not a JSON object"});
+}
+
+TEST_F(CorruptModelTest, NonFiniteWeight) {
+  const std::string dir = Copy("nan");
+  std::string w = testing::ReadFile(dir + "/model.safetensors");
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, w.data(), 8);
+  const auto header = nlohmann::json::parse(w.substr(8, header_len));
+  const uint64_t begin = header["embed.weight"]["data_offsets"][0].get<uint64_t>();
+  ASSERT_EQ(header["embed.weight"]["dtype"], "F32");
+  const float nan = std::nanf("");
+  std::memcpy(&w[DataStart(w) + begin + 4 * 5], &nan, 4);  // element 5
+  testing::WriteFile(dir + "/model.safetensors", w);
+  ExpectRefused(dir, {"tensor 'embed.weight' holds nan at element 5", "must be finite"});
+}
+
+TEST_F(CorruptModelTest, WeightsOfAnotherModel) {
+  const std::string dir = Copy("swapped");
+  ASSERT_EQ(std::system(("cp '" + ModelDir("skew") + "/model.safetensors' '" + dir + "/model.safetensors'").c_str()), 0);
+  ExpectRefused(dir, {"model.safetensors", "'layers.0.attn.rel_k'"});
+}
+
+TEST_F(CorruptModelTest, ConfigNotJson) {
+  const std::string dir = Copy("config");
+  std::string cfg = testing::ReadFile(dir + "/config.json");
+  testing::WriteFile(dir + "/config.json", cfg.substr(0, cfg.size() / 2));
+  ExpectRefused(dir, {"config.json: not valid JSON"});
+}
+
+TEST_F(CorruptModelTest, TokenizerFileOutsideTheModelDirectory) {
+  const std::string dir = Copy("tokpath");
+  std::string cfg = testing::ReadFile(dir + "/config.json");
+  const size_t at = cfg.find("\"kind\": \"byte\"");
+  ASSERT_NE(at, std::string::npos);
+  cfg.replace(at, 14, "\"kind\": \"sentencepiece\", \"file\": \"../../etc/passwd\"");
+  testing::WriteFile(dir + "/config.json", cfg);
+  ExpectRefused(dir, {"'tokenizer.file'", "must be a file name in the model directory"});
+}
+
+// ------------------------------------------------------------------ bearer token
+
+TEST(SecurityTest, ConstantTimeEqualsIsEquality) {
+  using server::ConstantTimeEquals;
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+  EXPECT_TRUE(ConstantTimeEquals("s3cret-token", "s3cret-token"));
+  EXPECT_FALSE(ConstantTimeEquals("s3cret-token", "s3cret-tokeN"));
+  EXPECT_FALSE(ConstantTimeEquals("s3cret-token", "s3cret-toke"));
+  EXPECT_FALSE(ConstantTimeEquals("s3cret-toke", "s3cret-token"));
+  EXPECT_FALSE(ConstantTimeEquals("", "x"));
+  EXPECT_FALSE(ConstantTimeEquals(std::string("a\0b", 3), std::string("a\0c", 3)));
+  EXPECT_FALSE(ConstantTimeEquals("abc", std::string("abc\0", 4)));
+}
+
+TEST(SecurityTest, BearerTokenGuardsTheServiceButNotHealth) {
+  const std::string dir = testing::TempDir("auth");
+  testing::WriteFile(dir + "/token", "correct-horse-battery-staple\n");
+  auto server = StartServer({"--model", ModelDir("none"), "--kv_cache_tokens", "4096", "--auth_token_file", dir + "/token"});
+  EXPECT_THAT(server->startup_output(), HasSubstr("(bearer token)"));
+  auto stub = Stub(*server);
+  auto call = [&](const char* authorization) {
+    grpc::ClientContext ctx;
+    if (authorization != nullptr) ctx.AddMetadata("authorization", authorization);
+    v1::GenerateResponse resp;
+    return stub->Generate(&ctx, TokenRequest({1, 2}, 3), &resp);
+  };
+  EXPECT_EQ(call(nullptr).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call("Bearer wrong").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call("Bearer correct-horse-battery-stapl").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call("correct-horse-battery-staple").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call("Basic correct-horse-battery-staple").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  const grpc::Status refused = call("Bearer nope");
+  EXPECT_THAT(refused.error_message(), HasSubstr("Bearer <token>"));
+  EXPECT_THAT(refused.error_message(), ::testing::Not(HasSubstr("nope"))) << "never echo what was sent";
+  EXPECT_TRUE(call("Bearer correct-horse-battery-staple").ok());
+  {
+    grpc::ClientContext ctx;
+    v1::ModelInfo info;
+    EXPECT_EQ(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer correct-horse-battery-staple");
+    auto reader = stub->GenerateStream(&ctx, TokenRequest({5}, 4));
+    v1::GenerateStreamResponse m;
+    int n = 0;
+    while (reader->Read(&m)) n += m.token_ids_size();
+    EXPECT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(n, 4);
+  }
+  // Probes need no token: gRPC health on the service port, HTTP on the admin listener.
+  const auto health = RawUnary(Plain(*server), "/grpc.health.v1.Health/Check", "");
+  EXPECT_TRUE(health.first.ok());
+  EXPECT_EQ(health.second, std::string("\x08\x01", 2));  // SERVING
+  EXPECT_THAT(testing::HttpGet(server->metrics_port(), "/readyz"), HasSubstr("200 OK"));
+  const auto m = testing::ParseMetrics(testing::Scrape(server->metrics_port()));
+  EXPECT_EQ(Metric(m, "relgen_request_errors_total{code=\"UNAUTHENTICATED\"}"), 7);
+}
+
+TEST(SecurityTest, ServerRefusesAnEmptyOrUnreadableTokenFile) {
+  const std::string dir = testing::TempDir("auth_bad");
+  testing::WriteFile(dir + "/empty", " \n");
+  for (const std::string& file : {dir + "/empty", dir + "/missing"}) {
+    testing::ServerProcess p;
+    std::string error;
+    EXPECT_FALSE(p.Start({"--model", ModelDir("none"), "--auth_token_file", file}, &error));
+    EXPECT_EQ(p.Wait(), 2);
+    EXPECT_THAT(error, HasSubstr("--auth_token_file"));
+  }
+}
+
+// ------------------------------------------------------------------ mutual TLS
+
+TEST(SecurityTest, MutualTlsAdmitsOnlyClientsWithACertificateFromTheCa) {
+  const std::string d = testing::TempDir("mtls");
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  testing::WriteFile(d + "/san.ext", "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
+  const std::string script =
+      "cd '" + d + "' && "
+      "openssl req -x509 " + ec + " -days 2 -subj /CN=relgen-test-ca -keyout ca.key -out ca.pem && "
+      "openssl req " + ec + " -subj /CN=localhost -keyout server.key -out server.csr && "
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile san.ext -out server.pem && "
+      "openssl req " + ec + " -subj /CN=client -keyout client.key -out client.csr && "
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -out client.pem && "
+      "openssl req -x509 " + ec + " -days 2 -subj /CN=rogue-ca -keyout rogue.key -out rogue.pem && "
+      "openssl req " + ec + " -subj /CN=intruder -keyout intruder.key -out intruder.csr && "
+      "openssl x509 -req -in intruder.csr -CA rogue.pem -CAkey rogue.key -CAcreateserial -days 2 -out intruder.pem";
+  ASSERT_EQ(std::system((script + " >/dev/null 2>&1").c_str()), 0);
+  auto server = StartServer({"--model", ModelDir("none"), "--kv_cache_tokens", "4096", "--tls_cert", d + "/server.pem",
+                             "--tls_key", d + "/server.key", "--tls_client_ca", d + "/ca.pem"});
+  EXPECT_THAT(server->startup_output(), HasSubstr("(mutual TLS)"));
+  auto try_call = [&](const std::string& cert, const std::string& key) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = testing::ReadFile(d + "/ca.pem");
+    if (!cert.empty()) {
+      ssl.pem_cert_chain = testing::ReadFile(d + "/" + cert);
+      ssl.pem_private_key = testing::ReadFile(d + "/" + key);
+    }
+    auto stub = v1::GenerationService::NewStub(grpc::CreateChannel(server->address(), grpc::SslCredentials(ssl)));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::GenerateResponse resp;
+    return stub->Generate(&ctx, TokenRequest({1, 2}, 3), &resp);
+  };
+  EXPECT_TRUE(try_call("client.pem", "client.key").ok());
+  EXPECT_FALSE(try_call("", "").ok()) << "no client certificate";
+  EXPECT_FALSE(try_call("intruder.pem", "intruder.key").ok()) << "a certificate from another CA";
+  grpc::ClientContext plain_ctx;
+  plain_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::GenerateResponse resp;
+  EXPECT_FALSE(Stub(*server)->Generate(&plain_ctx, TokenRequest({1}, 2), &resp).ok()) << "plaintext";
+}
+
+TEST(SecurityTest, ClientCaWithoutServerCertificateIsAFlagError) {
+  testing::ServerProcess p;
+  std::string error;
+  EXPECT_FALSE(p.Start({"--model", ModelDir("none"), "--tls_client_ca", "/nonexistent.pem"}, &error));
+  EXPECT_EQ(p.Wait(), 2);
+  EXPECT_THAT(error, HasSubstr("--tls_client_ca needs --tls_cert"));
+}
+
+// ------------------------------------------------------------------ admin listener
+
+TEST(SecurityTest, HealthAndReadinessLiveOnTheAdminListener) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192", "--drain_grace_seconds", "3"});
+  EXPECT_THAT(testing::HttpGet(server->metrics_port(), "/healthz"), HasSubstr("200 OK"));
+  const std::string ready = testing::HttpGet(server->metrics_port(), "/readyz");
+  EXPECT_THAT(ready, HasSubstr("200 OK"));
+  EXPECT_THAT(ready, HasSubstr("serving"));
+  EXPECT_THAT(testing::HttpGet(server->metrics_port(), "/anything-else"), HasSubstr("404"));
+  // The service port does not speak HTTP/1 for these.
+  auto stub = Stub(*server);
+  auto running = std::async(std::launch::async, [&] { return Stream(*stub, TokenRequest({1, 2, 3}, 1800)); });
+  WaitForMetrics(server->metrics_port(), [](const auto& m) { return Metric(m, "relgen_num_requests_running") == 1; });
+  server->Signal(SIGTERM);
+  std::string draining;
+  for (int i = 0; i < 100 && draining.find("503") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    draining = testing::HttpGet(server->metrics_port(), "/readyz");
+  }
+  EXPECT_THAT(draining, HasSubstr("503 Service Unavailable"));
+  EXPECT_THAT(testing::HttpGet(server->metrics_port(), "/healthz"), HasSubstr("200 OK"));
+  running.get();
+  EXPECT_EQ(server->Wait(), 0);
+}
+
+// ------------------------------------------------------------------ limits
+
+TEST(SecurityTest, ConcurrentStreamsPerConnectionAreCapped) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192", "--max_concurrent_streams", "2"});
+  auto stub = Stub(*server);  // one connection
+  std::vector<std::future<Collected>> calls;
+  for (int i = 0; i < 5; ++i) calls.push_back(std::async(std::launch::async, [&, i] { return Stream(*stub, TokenRequest({1, 2, i}, 150)); }));
+  double most = 0;
+  std::atomic<bool> all_done{false};
+  while (!all_done) {
+    const auto m = testing::ParseMetrics(testing::Scrape(server->metrics_port()));
+    most = std::max(most, Metric(m, "relgen_num_requests_running") + Metric(m, "relgen_num_requests_waiting"));
+    all_done = Metric(m, "relgen_requests_total{finish_reason=\"length\"}") == 5;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (auto& c : calls) {
+    const Collected r = c.get();
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.tokens.size(), 150u);
+  }
+  EXPECT_GE(most, 1);
+  EXPECT_LE(most, 2) << "more streams ran at once on one connection than --max_concurrent_streams";
+}
+
+// Files the process has open (not sockets, pipes or anonymous inodes).
+std::set<std::string> OpenFiles(pid_t pid) {
+  std::set<std::string> out;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    char target[4096];
+    const ssize_t n = readlink((dir + "/" + e->d_name).c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    const std::string t(target, n);
+    if (t.rfind("/", 0) == 0 && t.rfind("/dev/", 0) != 0) out.insert(t);
+  }
+  closedir(d);
+  return out;
+}
+
+TEST(SecurityTest, NoRequestReachesTheFilesystem) {
+  auto server = StartServer({"--model", ModelDir("none"), "--kv_cache_tokens", "4096"});
+  const std::set<std::string> before = OpenFiles(server->pid());
+  auto stub = Stub(*server);
+  for (const std::string& path : {"/etc/passwd", "../../../../etc/shadow", "file:///proc/self/environ", "model.safetensors"}) {
+    v1::GenerateRequest req;
+    req.set_text(path);
+    req.set_request_id(path);
+    req.add_stop(path);
+    req.set_max_new_tokens(3);
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(stub->Generate(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.request_id(), path) << "echoed as an opaque string";
+  }
+  EXPECT_EQ(OpenFiles(server->pid()), before);
+}
+
+}  // namespace
+}  // namespace relgen
