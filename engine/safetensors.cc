@@ -225,6 +225,7 @@ float BFloat16ToFloat(uint16_t b) {
 absl::StatusOr<std::vector<float>> ToFloat32(const TensorInfo& t) {
   const int64_t n = t.numel();
   std::vector<float> out(n);
+  if (n == 0) return out;  // an empty tensor: nothing to copy (and memcpy from null is undefined)
   switch (t.dtype) {
     case DType::kF32:
       std::memcpy(out.data(), t.data, n * sizeof(float));

@@ -49,7 +49,7 @@ __attribute__((visibility("default"))) int* relgen_spm_encode(void* sp, const ch
   std::vector<int> ids;
   if (!static_cast<sentencepiece::SentencePieceProcessor*>(sp)->Encode(std::string(text, len), &ids).ok()) ids.clear();
   int* out = static_cast<int*>(std::malloc(sizeof(int) * (ids.size() + 1)));
-  std::memcpy(out, ids.data(), sizeof(int) * ids.size());
+  if (!ids.empty()) std::memcpy(out, ids.data(), sizeof(int) * ids.size());  // memcpy from null is undefined
   *count = static_cast<int>(ids.size());
   return out;
 }

@@ -99,6 +99,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   preemptions_ = counter("relgen_preemptions_total", "Sequences preempted for lack of KV cache (recomputed later).");
   received_ = counter("relgen_requests_received_total",
                       "Generate and GenerateStream calls that reached the server (refused ones included).");
+  rejected_ = counter("relgen_requests_rejected_total",
+                      "Generate and GenerateStream calls refused before the engine (invalid, unauthenticated, queue full, loading, draining).");
   stream_write_timeouts_ = counter("relgen_stream_write_timeouts_total",
                                    "Streams cancelled because the client left a write unread past --stream_write_timeout_seconds.");
   requests_ = &prometheus::BuildCounter().Name("relgen_requests_total").Help("Finished requests by finish reason.").Register(*registry_);

@@ -37,6 +37,11 @@ class Metrics final : public EngineObserver {
   void SetEngine(const Engine* engine) { engine_.store(engine); }
   // A request answered with a non-OK status before or outside the engine's books.
   void OnRefused(grpc::StatusCode code);
+  // A Generate or GenerateStream call refused before the engine saw it (also an error).
+  void OnRejected(grpc::StatusCode code) {
+    OnRefused(code);
+    rejected_->Increment();
+  }
   // A Generate or GenerateStream call reached the handler (before validation).
   void OnReceived() { received_->Increment(); }
   // A stream cancelled because its client left a write unread past --stream_write_timeout_seconds.
@@ -67,6 +72,7 @@ class Metrics final : public EngineObserver {
   prometheus::Counter* preemptions_;
   prometheus::Counter* stream_write_timeouts_;
   prometheus::Counter* received_;
+  prometheus::Counter* rejected_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* errors_;
 };

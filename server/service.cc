@@ -342,7 +342,7 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
   std::string id;
   const grpc::Status s = Admit(ctx, *req, &handle, &id);
   if (!s.ok()) {
-    Refused(s);
+    metrics_->OnRejected(s.error_code());
     auto* r = ctx->DefaultReactor();
     r->Finish(s);
     return r;
@@ -358,7 +358,7 @@ grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::Generat
   std::string id;
   const grpc::Status s = Admit(ctx, *req, &handle, &id);
   if (!s.ok()) {
-    Refused(s);
+    metrics_->OnRejected(s.error_code());
     class Refuse final : public grpc::ServerWriteReactor<v1::GenerateStreamResponse> {
      public:
       explicit Refuse(const grpc::Status& s) { Finish(s); }

@@ -180,8 +180,8 @@ class StaticDeployTest(unittest.TestCase):
         pod = kinds["Deployment"]["spec"]["template"]
         c = pod["spec"]["containers"][0]
         self.assertIn("nvidia.com/gpu", c["resources"]["limits"])
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            self.assertEqual(c[probe]["grpc"]["port"], 50051)
+        for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            self.assertEqual(c[probe]["httpGet"], {"path": path, "port": 9400})
         self.assertEqual(pod["metadata"]["annotations"]["prometheus.io/port"], "9400")
         self.assertEqual(kinds["Service"]["spec"]["clusterIP"], "None")
 

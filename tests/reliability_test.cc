@@ -301,6 +301,9 @@ TEST(SecurityTest, BearerTokenGuardsTheServiceButNotHealth) {
   EXPECT_THAT(testing::HttpGet(server->metrics_port(), "/readyz"), HasSubstr("200 OK"));
   const auto m = testing::ParseMetrics(testing::Scrape(server->metrics_port()));
   EXPECT_EQ(Metric(m, "relgen_request_errors_total{code=\"UNAUTHENTICATED\"}"), 7);
+  EXPECT_EQ(Metric(m, "relgen_requests_rejected_total"), 6) << "the Generate calls (GetModelInfo is no request)";
+  EXPECT_EQ(Metric(m, "relgen_requests_received_total"), 8);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"length\"}"), 2);
 }
 
 TEST(SecurityTest, ServerRefusesAnEmptyOrUnreadableTokenFile) {

@@ -170,7 +170,8 @@ TEST(SoakTest, ThousandsOfMixedRequestsAtConcurrency64) {
   }
   const double received = Metric(m, "relgen_requests_received_total");
   std::printf("soak: received %.0f of %d (%.0f expired in transit)\n", received, total, total - received);
-  EXPECT_EQ(finished, received);
+  EXPECT_EQ(Metric(m, "relgen_requests_rejected_total"), 0);
+  EXPECT_EQ(finished + Metric(m, "relgen_requests_rejected_total"), received);
   EXPECT_EQ(Metric(m, "relgen_e2e_request_latency_seconds_count"), received);
   EXPECT_LE(total - received, t.deadline.load()) << "only requests past their deadline may go missing";
   EXPECT_GE(received, total * 0.95);
@@ -189,9 +190,11 @@ TEST(SoakTest, ThousandsOfMixedRequestsAtConcurrency64) {
   EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
   EXPECT_EQ(Metric(m, "relgen_num_requests_waiting"), 0);
 
-  // Memory is flat after warm-up.
+  // Memory is flat after warm-up (not checked under sanitizers: their quarantine and shadow grow).
   ASSERT_GT(rss_after_warmup, 0);
+#ifndef RELGEN_SANITIZER
   EXPECT_LT(rss_end, rss_after_warmup * 1.05) << "RSS grew more than 5% after warm-up";
+#endif
 
   // And it still drains and exits cleanly (under ASan, LeakSanitizer checks the exit).
   server->Signal(SIGTERM);

@@ -3,6 +3,10 @@
 #   bash tools/bootstrap.sh serve   install what is missing, build, serve the default model
 #   bash tools/bootstrap.sh test    install what is missing, build, run every test
 # Both are idempotent: installed packages and an existing build are reused.
+#
+# `test` runs three build trees (docs/reliability.md): build/ (every suite), build-asan/ (clang,
+# ASan+UBSan: every C++ suite and the libFuzzer targets) and build-tsan/ (clang, TSan: the
+# concurrency suites). RELGEN_TEST_STAGES picks some, e.g. RELGEN_TEST_STAGES=main.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -18,7 +22,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libopenblas0-pthread
   nlohmann-json3-dev libsentencepiece-dev
-  python3 python3-torch python3-numpy openssl curl
+  python3 python3-torch python3-numpy openssl curl clang libclang-rt-14-dev llvm
   fortunes prometheus python3-yaml python3-grpcio python3-grpc-tools python3-protobuf python3-venv python3-setuptools python3-pip python3-matplotlib
 )
 missing=()
@@ -41,8 +45,61 @@ cmake --build build -j "$jobs"
 case "$mode" in
   build) ;;
   test)
-    echo "== running every test"
-    ctest --test-dir build --output-on-failure -j "$jobs" "$@"
+    stages="${RELGEN_TEST_STAGES:-main asan tsan}"
+    logs=$(mktemp -d)
+    run_stage() {  # name, ctest arguments...
+      local name=$1
+      shift
+      echo "== [$name] running tests"
+      set +e
+      ctest "$@" 2>&1 | tee "$logs/$name.log"
+      set -e
+    }
+    for stage in $stages; do
+      case "$stage" in
+        main)
+          run_stage main --test-dir build --output-on-failure -j "$jobs" "$@"
+          ;;
+        asan)
+          echo "== [asan] configuring and building build-asan/ (clang, ASan+UBSan, libFuzzer targets)"
+          cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+            -DCMAKE_C_COMPILER=clang -DRELGEN_CUDA=OFF -DRELGEN_SANITIZE=address -DRELGEN_FUZZ=ON \
+            > build-asan.log 2>&1 || { cat build-asan.log; exit 1; }
+          cmake --build build-asan -j "$jobs"
+          export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
+          run_stage asan --test-dir build-asan --output-on-failure -j "$jobs"
+          unset ASAN_OPTIONS UBSAN_OPTIONS
+          ;;
+        tsan)
+          echo "== [tsan] configuring and building build-tsan/ (clang, TSan, concurrency suites)"
+          cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+            -DCMAKE_C_COMPILER=clang -DRELGEN_CUDA=OFF -DRELGEN_SANITIZE=thread \
+            > build-tsan.log 2>&1 || { cat build-tsan.log; exit 1; }
+          cmake --build build-tsan -j "$jobs" --target relgen-server engine_test server_test soak_test reliability_test
+          run_stage tsan --test-dir build-tsan --output-on-failure -j "$jobs" -L concurrency
+          ;;
+        *) echo "unknown stage '$stage' in RELGEN_TEST_STAGES (main, asan, tsan)" >&2; exit 2 ;;
+      esac
+    done
+    # One summary over every stage, in ctest's words.
+    passed=0
+    failed=0
+    for stage in $stages; do
+      line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$logs/$stage.log" | tail -1 || true)
+      if [ -z "$line" ]; then
+        echo "== [$stage] no ctest summary (did it run?)"
+        failed=$((failed + 1))
+        continue
+      fi
+      f=$(echo "$line" | sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\1/')
+      n=$(echo "$line" | sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\2/')
+      echo "== [$stage] $((n - f)) passed, $f failed"
+      passed=$((passed + n - f))
+      failed=$((failed + f))
+    done
+    rm -rf "$logs"
+    echo "$passed passed, $failed failed"
+    [ "$failed" -eq 0 ]
     ;;
   serve)
     model=models/default

@@ -40,13 +40,17 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   const std::string corpus = std::string(dir) + "/corpus.txt";
   {
     std::ofstream out(corpus);
-    for (int i = 0; i < 200; ++i) {
-      out << "The quick brown fox " << i << " jumps over the lazy dog; naïve café, 東京, Ünïcödé, ✓ "
-          << "relative attention skews its logits.\n";
-    }
+    const char* lines[] = {"The quick brown fox jumps over the lazy dog.",
+                           "Relative attention biases logits by the distance between tokens.",
+                           "Music Transformer skews the relative logits; T5 buckets them.",
+                           "Caf\xC3\xA9 na\xC3\xAFve r\xC3\xA9sum\xC3\xA9 \xE2\x80\x94 \xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E"};
+    for (int i = 0; i < 200; ++i) out << lines[i % 4] << "\n";
   }
   std::string error;
-  FUZZ_CHECK(relgen::testing::TrainSentencePiece(corpus, std::string(dir) + "/sp", kSpVocab, &error));
+  if (!relgen::testing::TrainSentencePiece(corpus, std::string(dir) + "/sp", kSpVocab, &error)) {
+    std::fprintf(stderr, "training the SentencePiece model failed: %s\n", error.c_str());
+    std::abort();
+  }
   auto sp = relgen::NewSentencePieceTokenizer(std::string(dir) + "/sp.model", kSpVocab);
   FUZZ_CHECK(sp.ok());
   sp_tok = *std::move(sp);
