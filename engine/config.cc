@@ -1,6 +1,7 @@
 #include "engine/config.h"
 
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -63,8 +64,13 @@ absl::Status GetFloat(const json& obj, const std::string& key, absl::string_view
   if (it == obj.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_number()) return Invalid(path, absl::StrCat("must be a number, found ", it->dump()));
   const double v = it->get<double>();
-  if (!std::isfinite(v) || v <= 0) return Invalid(path, absl::StrCat("is ", v, "; must be > 0"));
-  *out = static_cast<float>(v);
+  // The value is used as a float: it must stay positive and finite there too (1e-50 and 1e50 do not).
+  const float f = static_cast<float>(v);
+  if (!std::isfinite(v) || v <= 0 || !std::isfinite(f) || f < std::numeric_limits<float>::min()) {
+    return Invalid(path, absl::StrCat("is ", v, "; must be a normal float > 0 (", std::numeric_limits<float>::min(),
+                                      "..", std::numeric_limits<float>::max(), ")"));
+  }
+  *out = f;
   return absl::OkStatus();
 }
 

@@ -225,7 +225,9 @@ float BFloat16ToFloat(uint16_t b) {
 absl::StatusOr<std::vector<float>> ToFloat32(const TensorInfo& t) {
   const int64_t n = t.numel();
   std::vector<float> out(n);
-  if (n == 0) return out;  // an empty tensor: nothing to copy (and memcpy from null is undefined)
+  const bool is_float = t.dtype == DType::kF32 || t.dtype == DType::kF64 || t.dtype == DType::kF16 ||
+                        t.dtype == DType::kBF16;
+  if (n == 0 && is_float) return out;  // nothing to copy (and memcpy from null is undefined)
   switch (t.dtype) {
     case DType::kF32:
       std::memcpy(out.data(), t.data, n * sizeof(float));

@@ -147,6 +147,25 @@ TEST_F(LoaderTest, MissingSchemeParameter) {
   EXPECT_THAT(Load().message(), HasSubstr("'relative_attention.max_relative_position' is required"));
 }
 
+TEST_F(LoaderTest, FloatThatVanishesAsAFloat) {
+  config_["norm_eps"] = 1e-50;  // positive as a double, 0 as the float the kernels use
+  EXPECT_THAT(Load().message(), HasSubstr("'norm_eps' is 1e-50; must be a normal float > 0"));
+  config_["norm_eps"] = 1e-5;
+  config_["attention_scale"] = 1e50;  // inf as a float
+  EXPECT_THAT(Load().message(), HasSubstr("'attention_scale' is 1e+50; must be a normal float > 0"));
+}
+
+TEST_F(LoaderTest, EmptyTensorsConvertOnlyWhenFloat) {
+  // [0]-shaped tensors hold no bytes: floats convert to nothing, integers are still refused.
+  const std::string bytes = std::string("\x6b\0\0\0\0\0\0\0", 8) +
+      R"({"f":{"dtype":"F16","shape":[0],"data_offsets":[0,0]},"i":{"dtype":"I64","shape":[0],"data_offsets":[0,0]}})";
+  auto f = SafetensorsFile::FromBuffer("empty", reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(ToFloat32(*(*f)->Find("f")).ok());
+  EXPECT_EQ(ToFloat32(*(*f)->Find("f"))->size(), 0u);
+  EXPECT_FALSE(ToFloat32(*(*f)->Find("i")).ok());
+}
+
 TEST_F(LoaderTest, UnknownKey) {
   config_["n_head"] = 4;
   EXPECT_THAT(Load().message(), HasSubstr("unknown key 'n_head'"));

@@ -77,11 +77,24 @@ class ServerProcess {
   }
   void Signal(int sig) { kill(pid_, sig); }
   ~ServerProcess() {
+    bool died = false;
     if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      Wait();
+      // A server that ended on its own while the test still held it is a crash: say so.
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        died = true;
+        fprintf(stderr, "--- relgen-server ended on its own: %s %d\n", WIFSIGNALED(status) ? "signal" : "exit status",
+                WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+        pid_ = -1;
+        if (reader_.joinable()) reader_.join();
+      } else {
+        kill(pid_, SIGKILL);
+        Wait();
+      }
     }
-    if (std::getenv("RELGEN_TEST_SERVER_OUTPUT") != nullptr) fprintf(stderr, "--- server output\n%s%s", output_.c_str(), tail_.c_str());
+    if (died || std::getenv("RELGEN_TEST_SERVER_OUTPUT") != nullptr) {
+      fprintf(stderr, "--- server output\n%s%s", output_.c_str(), tail_.c_str());
+    }
     if (reader_.joinable()) reader_.join();
     if (fd_ >= 0) close(fd_);
   }
