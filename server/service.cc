@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 #include <random>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -277,7 +278,7 @@ GenerationService::GenerationService(const Options& options, Metrics* metrics)
 
 GenerationService::~GenerationService() {
   {
-    std::lock_guard<std::mutex> lock(watch_mu_);
+    std::lock_guard<std::recursive_mutex> lock(watch_mu_);
     stop_watchdog_ = true;
   }
   watch_cv_.notify_all();
@@ -285,12 +286,12 @@ GenerationService::~GenerationService() {
 }
 
 void GenerationService::Watch(WriteClock* clock) {
-  std::lock_guard<std::mutex> lock(watch_mu_);
+  std::lock_guard<std::recursive_mutex> lock(watch_mu_);
   watched_.insert(clock);
 }
 
 void GenerationService::Unwatch(WriteClock* clock) {
-  std::lock_guard<std::mutex> lock(watch_mu_);
+  std::lock_guard<std::recursive_mutex> lock(watch_mu_);
   watched_.erase(clock);
 }
 
@@ -300,17 +301,20 @@ void GenerationService::WatchdogLoop() {
   const int64_t timeout_ns = static_cast<int64_t>(options_.stream_write_timeout_seconds * 1e9);
   const auto period = std::chrono::milliseconds(
       std::clamp<int64_t>(static_cast<int64_t>(options_.stream_write_timeout_seconds * 100), 10, 1000));
-  std::unique_lock<std::mutex> lock(watch_mu_);
+  std::unique_lock<std::recursive_mutex> lock(watch_mu_);
   while (!stop_watchdog_) {
     watch_cv_.wait_for(lock, period);
     const int64_t now = SteadyNanos();
+    std::vector<WriteClock*> due;
     for (WriteClock* c : watched_) {
       const int64_t since = c->pending_since_ns.load();
-      if (since != 0 && !c->timed_out && now - since > timeout_ns) {
-        c->timed_out = true;
-        metrics_->OnStreamWriteTimeout();
-        c->ctx->TryCancel();
-      }
+      if (since != 0 && !c->timed_out && now - since > timeout_ns) due.push_back(c);
+    }
+    for (WriteClock* c : due) {
+      if (!watched_.contains(c)) continue;  // ended by an earlier TryCancel's callbacks
+      c->timed_out = true;
+      metrics_->OnStreamWriteTimeout();
+      c->ctx->TryCancel();  // may end the call (and free `c`) right here
     }
   }
 }

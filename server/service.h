@@ -64,8 +64,9 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   std::atomic<int> in_flight_{0};
 
   void WatchdogLoop();
-  std::mutex watch_mu_;
-  std::condition_variable watch_cv_;
+  // Recursive: TryCancel may run the call's callbacks, Unwatch included, on the watchdog's thread.
+  std::recursive_mutex watch_mu_;
+  std::condition_variable_any watch_cv_;
   std::set<WriteClock*> watched_;
   bool stop_watchdog_ = false;
   std::thread watchdog_;

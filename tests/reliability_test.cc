@@ -165,6 +165,9 @@ TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   EXPECT_LT(received, 1800);
   std::printf("never-read stream: cancelled %.1f s after it started (timeout 1 s), %.0f of 1800 tokens generated, %d delivered\n",
               waited, tokens, received);
+  // The watchdog is still alive: the server drains and exits promptly.
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(), 0);
 }
 
 // ------------------------------------------------------------------ corrupt model files at start
