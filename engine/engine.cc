@@ -255,9 +255,17 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   allocator_.Free(&s.blocks);
   {
     // Books first, so nothing a client has received is missing from them.
+    // The running and waiting gauges too: a client that got its final output must not still be
+    // counted as running (the step's own refresh comes later).
+    // (Finish may run inside a remove_if over these queues: skip moved-from entries.)
+    int running = 0, waiting = 0;
+    for (const auto& r : running_) running += r != nullptr && !r->done ? 1 : 0;
+    for (const auto& w : waiting_) waiting += w != nullptr && !w->done ? 1 : 0;
     std::unique_lock<std::mutex> lock(mu_);
     ++stats_.finished;
     stats_.kv_blocks_used = allocator_.num_used();
+    stats_.num_running = running;
+    stats_.num_waiting = waiting + static_cast<int>(inbox_.size());
   }
   Output o;
   o.finished = true;
