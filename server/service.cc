@@ -321,6 +321,14 @@ void GenerationService::WatchdogLoop() {
 
 grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
                                       std::shared_ptr<RequestHandle>* handle, std::string* request_id) {
+  metrics_->OnReceived();
+  const grpc::Status s = Submit(ctx, req, handle, request_id);
+  if (!s.ok()) metrics_->OnRejected(s.error_code());
+  return s;
+}
+
+grpc::Status GenerationService::Submit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
+                                       std::shared_ptr<RequestHandle>* handle, std::string* request_id) {
   Engine* engine = engine_.load();
   if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
   if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
@@ -341,12 +349,10 @@ grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,
                                                       const v1::GenerateRequest* req, v1::GenerateResponse* resp) {
-  metrics_->OnReceived();
   std::shared_ptr<RequestHandle> handle;
   std::string id;
   const grpc::Status s = Admit(ctx, *req, &handle, &id);
   if (!s.ok()) {
-    metrics_->OnRejected(s.error_code());
     auto* r = ctx->DefaultReactor();
     r->Finish(s);
     return r;
@@ -357,12 +363,10 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
 
 grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::GenerateStream(
     grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
-  metrics_->OnReceived();
   std::shared_ptr<RequestHandle> handle;
   std::string id;
   const grpc::Status s = Admit(ctx, *req, &handle, &id);
   if (!s.ok()) {
-    metrics_->OnRejected(s.error_code());
     class Refuse final : public grpc::ServerWriteReactor<v1::GenerateStreamResponse> {
      public:
       explicit Refuse(const grpc::Status& s) { Finish(s); }

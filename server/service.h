@@ -39,7 +39,8 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx, const v1::GetModelInfoRequest* req,
                                          v1::ModelInfo* info) override;
 
-  // Shared by the call reactors.
+  // Shared by the call reactors. Admit books the call as received and, when it returns an error,
+  // as rejected.
   grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
                      std::shared_ptr<RequestHandle>* handle, std::string* request_id);
   void Refused(const grpc::Status& status) { metrics_->OnRefused(status.error_code()); }
@@ -62,6 +63,10 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   std::atomic<Engine*> engine_{nullptr};
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
+
+  // Validates and submits to the engine.
+  grpc::Status Submit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
+                      std::shared_ptr<RequestHandle>* handle, std::string* request_id);
 
   void WatchdogLoop();
   // Recursive: TryCancel may run the call's callbacks, Unwatch included, on the watchdog's thread.

@@ -2,11 +2,13 @@
 // token requests and /metrics polling.
 #pragma once
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -84,6 +86,29 @@ inline std::map<std::string, double> WaitForMetrics(int port, const std::functio
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return m;
+}
+
+inline std::string Bytes(const grpc::ByteBuffer& b) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (b.Dump(&slices).ok()) {
+    for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return out;
+}
+
+// A unary call with raw request bytes through the generic stub: the status and the response bytes.
+inline std::pair<grpc::Status, std::string> RawUnary(const std::shared_ptr<grpc::Channel>& ch, const std::string& method,
+                                                     const std::string& bytes) {
+  grpc::GenericStub stub(ch);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) { done.set_value(s); });
+  const grpc::Status s = done.get_future().get();
+  return {s, s.ok() ? Bytes(resp) : std::string()};
 }
 
 }  // namespace relgen

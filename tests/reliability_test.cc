@@ -3,7 +3,6 @@
 // mutual TLS, the admin listener's health endpoints, per-connection stream limits, and requests
 // that look like paths.
 #include <dirent.h>
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -70,24 +69,6 @@ TEST(FaultTest, KvExhaustionPreemptsAndKeepsEveryOutput) {
 }
 
 // ------------------------------------------------------------------ malformed and oversized
-
-std::pair<grpc::Status, std::string> RawUnary(const std::shared_ptr<grpc::Channel>& ch, const std::string& method,
-                                              const std::string& bytes) {
-  grpc::GenericStub stub(ch);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer req(&slice, 1), resp;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) { done.set_value(s); });
-  const grpc::Status s = done.get_future().get();
-  std::vector<grpc::Slice> slices;
-  std::string out;
-  if (s.ok() && resp.Dump(&slices).ok()) {
-    for (const auto& sl : slices) out.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  }
-  return {s, out};
-}
 
 TEST(FaultTest, MalformedAndOversizedMessagesAreRefusedAndTheServerGoesOn) {
   auto server = StartServer({"--model", ModelDir("none"), "--kv_cache_tokens", "4096", "--max_message_bytes", "65536"});

@@ -20,26 +20,11 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string Bytes(const grpc::ByteBuffer& b) {
-  std::vector<grpc::Slice> slices;
-  std::string out;
-  if (b.Dump(&slices).ok()) {
-    for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return out;
-}
-
 // Standard services spoken through the generic stub: the request and response bytes are tiny
 // protobuf messages written out by hand.
 std::string GenericUnary(const std::string& address, const std::string& method, const std::string& request) {
-  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  grpc::Slice slice(request);
-  grpc::ByteBuffer req(&slice, 1), resp;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) { done.set_value(s); });
-  const grpc::Status s = done.get_future().get();
-  return s.ok() ? Bytes(resp) : "error: " + s.error_message();
+  const auto [s, body] = RawUnary(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()), method, request);
+  return s.ok() ? body : "error: " + s.error_message();
 }
 
 std::string ReflectionListServices(const std::string& address) {
