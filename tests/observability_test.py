@@ -7,9 +7,9 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
 import urllib.parse
@@ -21,10 +21,64 @@ SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPLOY = os.path.join(SOURCE, "deploy")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(tmp):
+    """A relgen-server on loopback ports of its own choosing; returns (process, grpc, metrics)."""
+    model = os.path.join(os.environ["RELGEN_GOLDEN_DIR"], "engine", "skew")
+    server = subprocess.Popen(
+        [os.environ["RELGEN_SERVER_BIN"], "--model", model, "--listen", "127.0.0.1:0", "--metrics_listen",
+         "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in server.stdout:
+        m = re.search(r"gRPC on (127\.0\.0\.1:\d+).*metrics on (127\.0\.0\.1:\d+)", line)
+        if m:
+            return server, m.group(1), m.group(2)
+    raise RuntimeError("relgen-server did not start")
+
+
+def start_prometheus(tmp, target):
+    """Debian's Prometheus with deploy's config (target rewritten to loopback, 1 s intervals) on a
+    port of its own choosing; returns (process, port)."""
+    cfg = yaml.safe_load(open(os.path.join(DEPLOY, "prometheus", "prometheus.yml")))
+    cfg["global"]["scrape_interval"] = "1s"
+    cfg["global"]["evaluation_interval"] = "1s"
+    cfg["scrape_configs"][0]["static_configs"] = [{"targets": [target]}]
+    shutil.copy(os.path.join(DEPLOY, "prometheus", "alerts.yml"), tmp)
+    config = os.path.join(tmp, "prometheus.yml")
+    yaml.safe_dump(cfg, open(config, "w"))
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp}/data", "--web.listen-address=127.0.0.1:0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in prom.stderr:
+        m = re.search(r'msg="Listening on" address=127\.0\.0\.1:(\d+)', line)
+        if m:
+            # Keep reading its log so it never blocks on a full pipe.
+            threading.Thread(target=lambda: [None for _ in prom.stderr], daemon=True).start()
+            return prom, config, int(m.group(1))
+    raise RuntimeError("prometheus did not start")
+
+
+def query(port, expr):
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    body = json.load(urllib.request.urlopen(url, timeout=10))
+    if body["status"] != "success":
+        raise RuntimeError(f"{expr}: {body}")
+    return body["data"]["result"]
+
+
+def all_exprs():
+    exprs = [e.replace("$__rate_interval", "1m").replace("$__range", "5m") for e in dashboard_exprs()]
+    return exprs + [without_threshold(r["expr"]) for r in alert_rules()]
+
+
+def wait_for_data(port, exprs, give_up_s=120):
+    """Polls until every expression returns data; returns those that still have none at the bound
+    (a bound for failing runs only: a passing run leaves as soon as all have data)."""
+    missing = exprs
+    deadline = time.monotonic() + give_up_s
+    while missing and time.monotonic() < deadline:
+        missing = [e for e in exprs if not query(port, e)]
+        if missing:
+            time.sleep(0.5)
+    return missing
 
 
 def dashboard():
@@ -49,41 +103,21 @@ class ObservabilityTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="relgen-obs-")
-        model = os.path.join(os.environ["RELGEN_GOLDEN_DIR"], "engine", "skew")
-        cls.server = subprocess.Popen(
-            [os.environ["RELGEN_SERVER_BIN"], "--model", model, "--listen", "127.0.0.1:0", "--metrics_listen",
-             "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in cls.server.stdout:
-            m = re.search(r"gRPC on (127\.0\.0\.1:\d+).*metrics on (127\.0\.0\.1:\d+)", line)
-            if m:
-                cls.grpc, cls.metrics = m.group(1), m.group(2)
-                break
-        else:
-            raise RuntimeError("relgen-server did not start")
-        # deploy's scrape config with the target on loopback and a quick interval.
-        cfg = yaml.safe_load(open(os.path.join(DEPLOY, "prometheus", "prometheus.yml")))
-        cfg["global"]["scrape_interval"] = "1s"
-        cfg["global"]["evaluation_interval"] = "1s"
-        cfg["scrape_configs"][0]["static_configs"] = [{"targets": [cls.metrics]}]
-        shutil.copy(os.path.join(DEPLOY, "prometheus", "alerts.yml"), cls.tmp)
-        cls.config = os.path.join(cls.tmp, "prometheus.yml")
-        yaml.safe_dump(cfg, open(cls.config, "w"))
-        cls.prom_port = free_port()
-        cls.prom = subprocess.Popen(
-            ["prometheus", f"--config.file={cls.config}", f"--storage.tsdb.path={cls.tmp}/data",
-             f"--web.listen-address=127.0.0.1:{cls.prom_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Load: a serving run (streams) and a few refused requests, for every series to move.
+        cls.server, cls.grpc, cls.metrics = start_server(cls.tmp)
+        cls.prom, cls.config, cls.prom_port = start_prometheus(cls.tmp, cls.metrics)
+        # Load: a serving run (streams) and a few refused requests, for every series to move; the
+        # second run starts once Prometheus has seen the first, so rates see two levels.
         subprocess.run([os.environ["RELGEN_BENCH_BIN"], "serve", "--server", cls.grpc, "--concurrency", "4",
                         "--num_requests", "24", "--prompt_len", "24", "--output_len", "16"],
                        check=True, capture_output=True, timeout=300)
         for _ in range(3):
             subprocess.run([os.environ["RELGEN_CLIENT_BIN"], "generate", "--server", cls.grpc, "--top_p", "2",
                             "--prompt", "x"], capture_output=True, timeout=30)
-        time.sleep(3)
+        wait_for_data(cls.prom_port, ['relgen_requests_total{finish_reason="length"} >= 24',
+                                      'relgen_request_errors_total{code="INVALID_ARGUMENT"} >= 3'])
         subprocess.run([os.environ["RELGEN_BENCH_BIN"], "serve", "--server", cls.grpc, "--concurrency", "2",
                         "--num_requests", "8", "--prompt_len", "24", "--output_len", "16"],
                        check=True, capture_output=True, timeout=300)
-        time.sleep(4)
 
     @classmethod
     def tearDownClass(cls):
@@ -93,10 +127,7 @@ class ObservabilityTest(unittest.TestCase):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def query(self, expr):
-        url = f"http://127.0.0.1:{self.prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        body = json.load(urllib.request.urlopen(url, timeout=10))
-        self.assertEqual(body["status"], "success", expr)
-        return body["data"]["result"]
+        return query(self.prom_port, expr)
 
     def test_promtool_checks(self):
         for args in (["check", "config", self.config], ["check", "rules", os.path.join(DEPLOY, "prometheus", "alerts.yml")]):
@@ -104,10 +135,7 @@ class ObservabilityTest(unittest.TestCase):
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
     def test_every_expression_returns_data(self):
-        exprs = [e.replace("$__rate_interval", "1m").replace("$__range", "5m") for e in dashboard_exprs()]
-        exprs += [without_threshold(r["expr"]) for r in alert_rules()]
-        missing = [e for e in exprs if not self.query(e)]
-        self.assertEqual(missing, [], "expressions without data")
+        self.assertEqual(wait_for_data(self.prom_port, all_exprs()), [], "expressions without data")
         self.assertEqual(float(self.query('up{job="relgen"}')[0]["value"][1]), 1.0)
 
     def test_dashboard_provisioning_and_metric_names(self):
@@ -143,10 +171,36 @@ class ObservabilityTest(unittest.TestCase):
             self.assertIn(p["title"], doc)
 
 
+class IdleServerTest(unittest.TestCase):
+    """A freshly started server that has served nothing: every panel and alert still has data (0s,
+    not "No data"), since every known label value of every counter exists from start-up."""
+
+    def test_every_expression_returns_data_when_idle(self):
+        tmp = tempfile.mkdtemp(prefix="relgen-obs-idle-")
+        server, _, metrics = start_server(tmp)
+        prom, _, port = start_prometheus(tmp, metrics)
+        try:
+            self.assertEqual(wait_for_data(port, all_exprs()), [], "expressions without data on an idle server")
+            errors = query(port, "relgen_request_errors_total")
+            self.assertEqual({r["metric"]["code"]: r["value"][1] for r in errors},
+                             {c: "0" for c in ("CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+                                               "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED")})
+            self.assertEqual(float(query(port, "sum(relgen_requests_received_total)")[0]["value"][1]), 0.0)
+        finally:
+            for p in (prom, server):
+                p.terminate()
+                p.wait(timeout=30)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 class StaticDeployTest(unittest.TestCase):
     def test_dockerfile(self):
         text = open(os.path.join(SOURCE, "Dockerfile")).read()
-        froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+        # Base images are build arguments: check the defaults (ARG lines before the first FROM).
+        head = text[: re.search(r"^FROM", text, re.M).start()]
+        defaults = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", head, re.M))
+        froms = [re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m.group(1), m.group(0)), image)
+                 for image in re.findall(r"^FROM\s+(\S+)", text, re.M)]
         self.assertGreaterEqual(len(froms), 2, "multi-stage")
         for image in froms:
             self.assertRegex(image, r":[0-9][\w.-]*$", f"pinned tag: {image}")

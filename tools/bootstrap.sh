@@ -24,6 +24,7 @@ packages=(
   nlohmann-json3-dev libsentencepiece-dev
   python3 python3-torch python3-numpy openssl curl clang libclang-rt-14-dev llvm
   fortunes prometheus python3-yaml python3-grpcio python3-grpc-tools python3-protobuf python3-venv python3-setuptools python3-pip python3-matplotlib
+  podman runc debootstrap
 )
 missing=()
 for p in "${packages[@]}"; do
