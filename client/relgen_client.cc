@@ -72,10 +72,12 @@ int Main(int argc, char** argv) {
   }
 
   if (o.command == "health") {
-    // grpc.health.v1.Health/Check with an empty request; the reply's field 1 is the status
-    // (1 = SERVING), read from the wire bytes so no health stubs are needed.
+    // grpc.health.v1.Health/Check for the whole server (an empty HealthCheckRequest: one empty
+    // slice, since gRPC refuses a message with no slices). The reply's field 1 is the status
+    // (1 SERVING, 2 NOT_SERVING; absent: UNKNOWN), read from the wire so no health stubs are needed.
     grpc::GenericStub generic(grpc::CreateChannel(o.server, creds));
-    grpc::ByteBuffer request, reply;
+    grpc::Slice empty("");
+    grpc::ByteBuffer request(&empty, 1), reply;
     std::promise<grpc::Status> done;
     generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &reply,
                       [&](grpc::Status s) { done.set_value(s); });
@@ -86,9 +88,10 @@ int Main(int argc, char** argv) {
     if (reply.Dump(&slices).ok()) {
       for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
     }
-    const bool serving = bytes.size() >= 2 && bytes[0] == 0x08 && bytes[1] == 0x01;
-    std::printf("%s\n", serving ? "SERVING" : "NOT_SERVING");
-    return serving ? 0 : 1;
+    const int status = bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
+    const char* const kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+    std::printf("%s\n", status >= 0 && status <= 3 ? kNames[status] : "UNKNOWN");
+    return status == 1 ? 0 : 1;
   }
   if (o.command == "info") {
     v1::ModelInfo info;

@@ -30,7 +30,8 @@ std::string Usage() {
   std::string u =
       "usage: relgen-client generate [flags] [prompt words...]   (prompt from stdin when none is given)\n"
       "       relgen-client info [--server HOST:PORT]\n"
-      "       relgen-client health [--server HOST:PORT]   (grpc.health.v1: exit 0 when SERVING)\n\n"
+      "       relgen-client health [--server HOST:PORT]   (grpc.health.v1: prints the status; exit 0 SERVING,\n"
+      "                                                1 NOT_SERVING or UNKNOWN, 14 unreachable, 4 timed out)\n\n"
       "connection and output:\n"
       "  --server HOST:PORT   default localhost:50051\n"
       "  --tls_ca FILE        connect with TLS, trusting these PEM roots\n"

@@ -147,7 +147,7 @@ void Engine::Shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     if (stop_) return;
     stop_ = true;
-    cv_.notify_one();
+    cv_.notify_all();
   }
   if (thread_.joinable()) {
     thread_.join();
@@ -201,8 +201,9 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
   }
   s->id = next_seq_id_++;
   ++queued_;
+  stats_.num_waiting = queued_;
   inbox_.push_back(std::move(s));
-  cv_.notify_one();
+  cv_.notify_all();
   return handle;
 }
 
@@ -225,15 +226,33 @@ void Engine::RunOnce() {
   Step();
 }
 
+void Engine::Pause() {
+  std::unique_lock<std::mutex> lock(mu_);
+  paused_ = true;
+  cv_.wait(lock, [this] { return !in_step_; });
+}
+
+void Engine::Resume() {
+  std::unique_lock<std::mutex> lock(mu_);
+  paused_ = false;
+  cv_.notify_all();
+}
+
 void Engine::Loop() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !inbox_.empty() || !running_.empty() || !waiting_.empty(); });
+      cv_.wait(lock, [this] {
+        return stop_ || (!paused_ && (!inbox_.empty() || !running_.empty() || !waiting_.empty()));
+      });
       if (stop_) break;
+      in_step_ = true;
     }
     TakeInbox();
     Step();
+    std::unique_lock<std::mutex> lock(mu_);
+    in_step_ = false;
+    cv_.notify_all();
   }
   // Shut down: nothing outstanding survives.
   std::deque<std::unique_ptr<Seq>> inbox;

@@ -159,6 +159,12 @@ class Engine {
   void RunOnce();
   // Finishes every outstanding request (kCancelled) and stops the engine thread.
   void Shutdown();
+  // Holds the engine thread before its next step until Resume(): once Pause() returns, no step
+  // runs, so submitted requests stay waiting. For tests that need load "in flight" without
+  // depending on the machine's speed (the server exposes it only with --enable_test_hooks).
+  // Shutdown still finishes everything while paused.
+  void Pause();
+  void Resume();
 
   const Model& model() const { return *model_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -183,6 +189,8 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Seq>> inbox_;
   bool stop_ = false;
+  bool paused_ = false;
+  bool in_step_ = false;  // the engine thread is between TakeInbox and the end of Step
   int queued_ = 0;  // inbox + waiting
   EngineStats stats_;
 

@@ -79,22 +79,23 @@ void HttpEndpoint::Handle(int fd) {
   const std::string line = request.substr(0, request.find("\r\n"));
   Reply reply;
   std::string status = "200 OK";
-  if (line.rfind("GET ", 0) == 0) {
-    std::string path = line.substr(4, line.find(' ', 4) - 4);
-    path = path.substr(0, path.find('?'));
-    auto it = routes_.find(path);
-    if (it != routes_.end()) {
-      reply = it->second();
-      if (reply.code != 200) status = "503 Service Unavailable";
-    } else {
-      status = "404 Not Found";
-      reply.body = "relgen serves GET";
-      for (const auto& [p, h] : routes_) reply.body += " " + p;
-      reply.body += " here\n";
-    }
+  const size_t sp = line.find(' ');
+  const std::string method = line.substr(0, sp);
+  std::string path = sp == std::string::npos ? "" : line.substr(sp + 1, line.find(' ', sp + 1) - sp - 1);
+  path = path.substr(0, path.find('?'));
+  // GET routes are keyed by path, POST routes by "POST path".
+  auto it = method == "GET" ? routes_.find(path) : method == "POST" ? routes_.find("POST " + path) : routes_.end();
+  if (it != routes_.end()) {
+    reply = it->second();
+    if (reply.code != 200) status = "503 Service Unavailable";
+  } else if (method == "GET" || method == "POST") {
+    status = "404 Not Found";
+    reply.body = "relgen serves";
+    for (const auto& [p, h] : routes_) reply.body += (p[0] == '/' ? " GET " : " ") + p + ",";
+    reply.body.back() = '\n';
   } else {
     status = "405 Method Not Allowed";
-    reply.body = "only GET\n";
+    reply.body = "only GET and POST\n";
   }
   const std::string& type = reply.content_type;
   const std::string& body = reply.body;

@@ -25,8 +25,8 @@ class HttpEndpoint {
   using Handler = std::function<Reply()>;
   ~HttpEndpoint();
 
-  // Listens on HOST:PORT (port 0 picks one) and serves GET on `routes` (exact paths, query ignored)
-  // until destroyed. Returns the bound port.
+  // Listens on HOST:PORT (port 0 picks one) and serves `routes` (exact paths, query ignored; keys
+  // "/path" answer GET, keys "POST /path" answer POST) until destroyed. Returns the bound port.
   absl::StatusOr<int> Start(const std::string& listen, std::map<std::string, Handler> routes);
 
  private:

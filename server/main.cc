@@ -7,11 +7,19 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <arpa/inet.h>
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -57,6 +65,12 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding a bearer token: GenerationService calls must send metadata 'authorization: Bearer <token>'");
 ABSL_FLAG(int32_t, max_concurrent_streams, 100, "concurrent calls per client connection (HTTP/2 streams)");
+ABSL_FLAG(bool, reuse_port, false,
+          "share --listen's port with other processes that also set it (SO_REUSEPORT; the kernel splits "
+          "connections between them). Off: a port another process listens on is refused at start");
+ABSL_FLAG(bool, enable_test_hooks, false,
+          "testing only: POST /testing/pause and /testing/resume on the admin listener hold and release the "
+          "engine before its next step");
 ABSL_FLAG(double, stream_write_timeout_seconds, 30,
           "cancel a stream whose client leaves a message unread this long (0: never)");
 
@@ -82,6 +96,40 @@ std::string DefaultModelDir() {
     if (std::ifstream(dir + "/config.json")) return dir;
   }
   return "";
+}
+
+// Why gRPC could not listen on HOST:PORT: binds a probe socket there (without SO_REUSEPORT) and
+// reports what the kernel says, e.g. that another process already listens on the port.
+std::string WhyNotListening(const std::string& addr) {
+  const size_t colon = addr.rfind(':');
+  if (colon == std::string::npos) return "expected HOST:PORT";
+  std::string host = addr.substr(0, colon);
+  const std::string port = addr.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.empty() || host == "0.0.0.0" ? nullptr : host.c_str(), port.c_str(), &hints, &res) != 0 ||
+      res == nullptr) {
+    return "cannot resolve the host or port";
+  }
+  std::string why;
+  for (addrinfo* a = res; a != nullptr && why.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      why = errno == EADDRINUSE
+                ? "port " + port + " is already in use by another process (--reuse_port shares it deliberately)"
+                : std::strerror(errno);
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return why.empty() ? "gRPC refused the address" : why;
 }
 
 // Host part of HOST:PORT with the bound port.
@@ -164,6 +212,7 @@ int Main(int argc, char** argv) {
     creds = grpc::SslServerCredentials(ssl);
   }
 
+  std::atomic<Engine*> hooked_engine{nullptr};  // for the test hooks, once it exists; outlives the admin listener
   auto metrics = std::make_shared<Metrics>();
   GenerationService service(o, metrics.get());
   grpc::EnableDefaultHealthCheckService(true);
@@ -174,10 +223,26 @@ int Main(int argc, char** argv) {
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.max_message_bytes, INT32_MAX)));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
+  // gRPC sets SO_REUSEPORT by default, so a second server on a taken port would start and silently
+  // take part of the first one's connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, absl::GetFlag(FLAGS_reuse_port) ? 1 : 0);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen);
+  if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen + ": " + WhyNotListening(o.listen));
   server->GetHealthCheckService()->SetServingStatus(false);
-  auto metrics_port = metrics->Serve(o.metrics_listen);
+  std::map<std::string, HttpEndpoint::Handler> hooks;
+  if (absl::GetFlag(FLAGS_enable_test_hooks)) {
+    auto hook = [&hooked_engine](bool pause) {
+      return [&hooked_engine, pause] {
+        Engine* e = hooked_engine.load();
+        if (e == nullptr) return HttpEndpoint::Reply{503, "text/plain; charset=utf-8", "the model is loading\n"};
+        pause ? e->Pause() : e->Resume();
+        return HttpEndpoint::Reply{200, "text/plain; charset=utf-8", pause ? "paused\n" : "resumed\n"};
+      };
+    };
+    hooks["POST /testing/pause"] = hook(true);
+    hooks["POST /testing/resume"] = hook(false);
+  }
+  auto metrics_port = metrics->Serve(o.metrics_listen, std::move(hooks));
   if (!metrics_port.ok()) return Fail(std::string(metrics_port.status().message()));
 
   auto model = Model::Load(o.model);
@@ -203,6 +268,7 @@ int Main(int argc, char** argv) {
   auto engine = Engine::Create(*model, *std::move(backend), std::shared_ptr<const Tokenizer>(*std::move(tokenizer)), ec);
   if (!engine.ok()) return Fail(std::string(engine.status().message()));
   metrics->SetEngine(engine->get());
+  hooked_engine.store(engine->get());
   service.SetEngine(engine->get());
   server->GetHealthCheckService()->SetServingStatus(true);
   metrics->SetServing(true);
@@ -230,6 +296,7 @@ int Main(int argc, char** argv) {
   while (service.in_flight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
   const int left = service.in_flight();
   const absl::Time drained = absl::Now();
+  hooked_engine.store(nullptr);
   (*engine)->Shutdown();  // what is left ends UNAVAILABLE, and its calls finish
   const absl::Time calls_done_by = absl::Now() + absl::Seconds(2);
   while (service.in_flight() > 0 && absl::Now() < calls_done_by) absl::SleepFor(absl::Milliseconds(5));

@@ -24,6 +24,10 @@ const Histogram::BucketBoundaries kTokenBuckets = {1, 2, 5, 10, 20, 50, 100, 200
 const Histogram::BucketBoundaries kBatchBuckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
 
 const char* const kFinishReasons[] = {"length", "stop", "eos", "cancelled", "deadline", "error"};
+// Every status the server answers a Generate call with other than OK (docs/metrics.md), so each
+// series exists at 0 from start-up and rate() and ratios have data on an idle server.
+const char* const kErrorCodes[] = {"CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
+                                   "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED"};
 
 prometheus::ClientMetric GaugeValue(double v, std::vector<prometheus::ClientMetric::Label> labels = {}) {
   prometheus::ClientMetric m;
@@ -107,13 +111,14 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   for (const char* r : kFinishReasons) requests_->Add({{"finish_reason", r}});
   errors_ = &prometheus::BuildCounter().Name("relgen_request_errors_total")
                  .Help("Requests answered with an error status, by gRPC status code.").Register(*registry_);
+  for (const char* c : kErrorCodes) errors_->Add({{"code", c}});
   live_ = std::make_shared<LiveGauges>(&engine_);
 }
 
 Metrics::~Metrics() = default;
 
-absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
-  std::map<std::string, HttpEndpoint::Handler> routes;
+absl::StatusOr<int> Metrics::Serve(const std::string& listen, std::map<std::string, HttpEndpoint::Handler> extra) {
+  std::map<std::string, HttpEndpoint::Handler> routes = std::move(extra);
   routes["/metrics"] = [this] {
     return HttpEndpoint::Reply{200, "text/plain; version=0.0.4; charset=utf-8", Text()};
   };

@@ -27,8 +27,8 @@ class Metrics final : public EngineObserver {
 
   // Serves the admin listener on `listen` (HOST:PORT; port 0 picks one): GET /metrics, /healthz
   // (200 while the process runs) and /readyz (200 while serving, 503 while loading or draining).
-  // Returns the bound port.
-  absl::StatusOr<int> Serve(const std::string& listen);
+  // Returns the bound port. `extra` adds routes (HttpEndpoint's keys).
+  absl::StatusOr<int> Serve(const std::string& listen, std::map<std::string, HttpEndpoint::Handler> extra = {});
   // What /readyz answers; mirrors the gRPC health status.
   void SetServing(bool serving) { serving_.store(serving); }
   // The Prometheus text exposition of every metric, as scraped.

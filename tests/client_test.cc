@@ -2,8 +2,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <chrono>
+#include <functional>
+#include <future>
+#include <map>
 #include <set>
+#include <thread>
 
 #include "client/request_flags.h"
 #include "tests/server_process.h"
@@ -70,8 +76,10 @@ struct ClientRun {
   int stdout_reads = 0;
 };
 
-// Runs relgen-client with `args`, feeding `input` on stdin, timing when stdout first has data.
-ClientRun RunClient(const std::vector<std::string>& args, const std::string& input = "") {
+// Runs relgen-client with `args`, feeding `input` on stdin, timing when stdout first has data;
+// `on_first_output` runs when it does.
+ClientRun RunClient(const std::vector<std::string>& args, const std::string& input = "",
+                    const std::function<void()>& on_first_output = nullptr) {
   int in[2], out[2], err[2];
   EXPECT_EQ(pipe(in), 0);
   EXPECT_EQ(pipe(out), 0);
@@ -109,6 +117,7 @@ ClientRun RunClient(const std::vector<std::string>& args, const std::string& inp
   while ((n = read(out[0], buf, sizeof(buf))) > 0) {
     if (r.first_output_s < 0) {
       r.first_output_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (on_first_output) on_first_output();
     }
     ++r.stdout_reads;
     r.out.append(buf, n);
@@ -128,7 +137,8 @@ class ClientBinaryTest : public ::testing::Test {
   static void SetUpTestSuite() {
     server_ = new testing::ServerProcess();
     std::string error;
-    ASSERT_TRUE(server_->Start({"--model", testing::GoldenDir() + "/engine/server", "--kv_cache_tokens", "8192"}, &error))
+    ASSERT_TRUE(server_->Start({"--model", testing::GoldenDir() + "/engine/server", "--kv_cache_tokens", "8192",
+                                "--enable_test_hooks"}, &error))
         << error;
   }
   static void TearDownTestSuite() { delete server_; }
@@ -137,25 +147,73 @@ class ClientBinaryTest : public ::testing::Test {
 testing::ServerProcess* ClientBinaryTest::server_ = nullptr;
 
 TEST_F(ClientBinaryTest, StreamingPrintsIncrementally) {
-  const ClientRun r = RunClient({"generate", "--server", server_->address(), "--stream", "--max_new_tokens", "600",
-                           "--temperature", "0", "--ignore_eos", "--prompt", "Once"});
+  // When the first text reaches the client's stdout, the request is still running: the engine is
+  // held there and the server's books looked at.
+  std::map<std::string, double> at_first_output;
+  const ClientRun r = RunClient({"generate", "--server", server_->address(), "--stream", "--max_new_tokens", "1800",
+                                 "--temperature", "0", "--ignore_eos", "--prompt", "Once"},
+                                "", [&] {
+                                  EXPECT_TRUE(testing::PauseEngine(server_->metrics_port()));
+                                  at_first_output = testing::ParseMetrics(testing::Scrape(server_->metrics_port()));
+                                  EXPECT_TRUE(testing::ResumeEngine(server_->metrics_port()));
+                                });
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_GT(r.stdout_reads, 3);
-  EXPECT_LT(r.first_output_s + 0.3, r.total_s) << "the first text should arrive well before the end";
-  EXPECT_THAT(r.err, HasSubstr("[length: 5 prompt + 600 generated tokens"));
+  EXPECT_EQ(at_first_output["relgen_num_requests_running"], 1) << "the first text came only at the end";
+  EXPECT_THAT(r.err, HasSubstr("[length: 5 prompt + 1800 generated tokens"));
   // The same request, unary: the same text.
-  const ClientRun u = RunClient({"generate", "--server", server_->address(), "--max_new_tokens", "600", "--temperature", "0",
-                           "--ignore_eos", "--prompt", "Once"});
+  const ClientRun u = RunClient({"generate", "--server", server_->address(), "--max_new_tokens", "1800", "--temperature",
+                                 "0", "--ignore_eos", "--prompt", "Once"});
   ASSERT_EQ(u.exit_code, 0);
   EXPECT_EQ(u.out, r.out);
+}
+
+// health in its three states: SERVING, NOT_SERVING (draining) and the server unreachable.
+TEST(ClientHealthTest, ServingDrainingAndUnreachable) {
+  testing::ServerProcess server;
+  std::string error;
+  ASSERT_TRUE(server.Start({"--model", testing::GoldenDir() + "/engine/server", "--kv_cache_tokens", "8192",
+                            "--enable_test_hooks", "--drain_grace_seconds", "3600"}, &error))
+      << error;
+  ClientRun r = RunClient({"health", "--server", server.address(), "--timeout", "30"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "SERVING\n");
+  // Draining: a request held in flight keeps the server draining until it is let go.
+  ASSERT_TRUE(testing::PauseEngine(server.metrics_port()));
+  auto held = std::async(std::launch::async, [&] {
+    return RunClient({"generate", "--server", server.address(), "--max_new_tokens", "4", "--prompt", "x"});
+  });
+  for (int i = 0; i < 6000; ++i) {
+    if (testing::ParseMetrics(testing::Scrape(server.metrics_port()))["relgen_num_requests_waiting"] == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  server.Signal(SIGTERM);
+  for (int i = 0; i < 600; ++i) {
+    r = RunClient({"health", "--server", server.address(), "--timeout", "30"});
+    if (r.out != "SERVING\n") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(r.out, "NOT_SERVING\n");
+  ASSERT_TRUE(testing::ResumeEngine(server.metrics_port()));
+  const ClientRun g = held.get();
+  EXPECT_EQ(g.exit_code, 0) << g.err;
+  EXPECT_EQ(server.Wait(), 0);
+  // Unreachable: nothing listens on port 1.
+  r = RunClient({"health", "--server", "127.0.0.1:1", "--timeout", "10"});
+  EXPECT_EQ(r.exit_code, 14);
+  EXPECT_THAT(r.err, HasSubstr("cannot reach relgen-server at 127.0.0.1:1"));
+  EXPECT_EQ(r.out, "");
 }
 
 TEST_F(ClientBinaryTest, ExitCodesFollowTheStatus) {
   ClientRun r = RunClient({"generate", "--server", server_->address(), "--temperature", "-1", "--prompt", "x"});
   EXPECT_EQ(r.exit_code, 3);  // INVALID_ARGUMENT
   EXPECT_THAT(r.err, HasSubstr("temperature: -1; allowed 0..100"));
-  r = RunClient({"generate", "--server", server_->address(), "--timeout", "0.2", "--max_new_tokens", "1900",
+  // The engine is held, so the request cannot finish before its deadline.
+  ASSERT_TRUE(testing::PauseEngine(server_->metrics_port()));
+  r = RunClient({"generate", "--server", server_->address(), "--timeout", "0.2", "--max_new_tokens", "8",
                  "--ignore_eos", "--prompt", "x"});
+  ASSERT_TRUE(testing::ResumeEngine(server_->metrics_port()));
   EXPECT_EQ(r.exit_code, 4);  // DEADLINE_EXCEEDED
   r = RunClient({"generate", "--server", "127.0.0.1:1", "--timeout", "3", "--prompt", "x"});
   EXPECT_EQ(r.exit_code, 14);  // UNAVAILABLE

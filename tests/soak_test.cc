@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -156,6 +157,18 @@ TEST(SoakTest, ThousandsOfMixedRequestsAtConcurrency64) {
   for (const auto& [k, v] : m) {
     if (k.rfind("relgen_request_errors_total", 0) == 0) std::printf("soak: %s %.0f\n", k.c_str(), v);
   }
+  // Server side: every connection the clients opened was accepted by the server under test (its own
+  // sockets, no other process on the port) and none was lost and reopened.
+  const int port = std::stoi(server->address().substr(server->address().rfind(':') + 1));
+  const std::vector<std::string> accepted = testing::EstablishedOnPort(port);
+  const std::set<std::string> owned = testing::SocketInodesOf(server->pid());
+  int by_server = 0;
+  for (const std::string& inode : accepted) by_server += owned.count(inode) > 0 ? 1 : 0;
+  std::printf("soak: %zu connections established on port %d, %d of them accepted by the server under test\n",
+              accepted.size(), port, by_server);
+  EXPECT_EQ(static_cast<int>(accepted.size()), kConcurrency / 4) << "one connection per channel";
+  EXPECT_EQ(by_server, static_cast<int>(accepted.size())) << "connections accepted by another process";
+
   for (const std::string& f : t.failures) ADD_FAILURE() << f;
   EXPECT_EQ(t.issued.load(), total);
   EXPECT_EQ(t.other.load(), 0);
