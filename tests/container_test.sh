@@ -34,6 +34,9 @@ command -v podman > /dev/null || skip "podman is not installed (apt-get install 
 podman info > /dev/null 2>&1 || skip "podman cannot run here: $(podman info 2>&1 | tail -n 1)"
 [ -f "$SOURCE/Dockerfile" ] || fail "no Dockerfile in $SOURCE"
 
+# One run at a time per machine: the base image, the image tag and the probe image are shared.
+exec 9> /var/tmp/relgen-container-test.lock
+flock 9
 work=$(mktemp -d /var/tmp/relgen-container-test.XXXXXX)
 ctr=""          # podman container (run mode) or working container (chroot mode)
 root=""         # its mounted root filesystem (chroot mode)

@@ -1,6 +1,8 @@
 // Helpers shared by the tests: golden files, model directories, a safetensors writer.
 #pragma once
 
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -43,8 +45,10 @@ inline std::string SafetensorsBytes(const std::string& header, const std::string
 }
 
 // Fresh empty directory under the test's temp dir.
+// A fresh directory for `name`, private to this process (test runs of several checkouts may share
+// the machine).
 inline std::string TempDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "relgen_" + name;
+  const std::string dir = ::testing::TempDir() + "relgen_" + name + "_" + std::to_string(getpid());
   std::system(("rm -rf '" + dir + "' && mkdir -p '" + dir + "'").c_str());
   return dir;
 }
