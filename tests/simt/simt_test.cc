@@ -1,0 +1,340 @@
+// The SIMT emulator's own behaviour: collectives and their mask checks, barriers, launch limits,
+// block order, thread mode, device memory and cuBLAS argument checking.
+#include "tests/simt/simt.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cuda/launch.h"
+
+namespace {
+
+template <class T>
+T* Upload(const std::vector<T>& v) {
+  T* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(v.size(), 1) * sizeof(T)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  return d;
+}
+template <class T>
+std::vector<T> Download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+// Expects the last launch to have faulted with a message containing `what`, then clears it.
+void ExpectFault(const std::string& what) {
+  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorLaunchFailure);  // sticky
+  EXPECT_NE(simt::LastFault().find(what), std::string::npos) << simt::LastFault();
+  simt::ResetDevice();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+__global__ void ShuffleKernel(int* out) {
+  const int t = threadIdx.x, n = blockDim.x;
+  const int v = 100 * t;
+  out[0 * n + t] = __shfl_xor_sync(0xffffffffu, v, 5);
+  out[1 * n + t] = __shfl_down_sync(0xffffffffu, v, 3);
+  out[2 * n + t] = __shfl_up_sync(0xffffffffu, v, 2);
+  out[3 * n + t] = __shfl_sync(0xffffffffu, v, 7);
+  out[4 * n + t] = __shfl_down_sync(0xffffffffu, v, 1, 8);
+  out[5 * n + t] = __shfl_xor_sync(0xffffffffu, v, 4, 8);
+  // Half-warp collectives with disjoint masks, in flight together.
+  const unsigned half = (t & 16) ? 0xffff0000u : 0x0000ffffu;
+  out[6 * n + t] = __shfl_sync(half, v, 1, 16);
+  const double d = __shfl_xor_sync(0xffffffffu, 0.5 * t, 1);
+  out[7 * n + t] = static_cast<int>(2 * d);
+}
+
+int Expected(int row, int t) {
+  const int lane = t % 32, warp0 = t - lane;
+  auto at = [&](int l) { return 100 * (warp0 + l); };
+  switch (row) {
+    case 0:
+      return at(lane ^ 5);
+    case 1:
+      return lane + 3 < 32 ? at(lane + 3) : at(lane);
+    case 2:
+      return lane - 2 >= 0 ? at(lane - 2) : at(lane);
+    case 3:
+      return at(7);
+    case 4:
+      return (lane % 8) + 1 < 8 ? at(lane + 1) : at(lane);
+    case 5:
+      return at(lane ^ 4);
+    case 6:
+      return at((lane & 16) + 1);
+    default:
+      return warp0 + (lane ^ 1);  // a double, shuffled
+  }
+}
+
+void CheckShuffles() {
+  const int n = 64;
+  int* d = Upload(std::vector<int>(8 * n, -1));
+  RELGEN_LAUNCH(ShuffleKernel, 1, n, 0, nullptr)(d);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess) << simt::LastFault();
+  const std::vector<int> got = Download(d, 8 * n);
+  for (int row = 0; row < 8; ++row) {
+    for (int t = 0; t < n; ++t)
+      ASSERT_EQ(got[row * n + t], Expected(row, t)) << "row " << row << " thread " << t;
+  }
+  cudaFree(d);
+}
+
+TEST(SimtTest, Shuffles) { CheckShuffles(); }
+
+TEST(SimtTest, ShufflesOnThreads) {
+  simt::SetThreadMode(true);
+  CheckShuffles();
+  simt::SetThreadMode(false);
+}
+
+__global__ void LaneNotInMask(int* out) { out[threadIdx.x] = __shfl_sync(0x1u, 1, 0); }
+__global__ void MaskNamesExited(int* out) {
+  if (threadIdx.x >= 16) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+}
+__global__ void MaskNamesMissingLane(int* out) {
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+}
+__global__ void DivergentBarrier(int* out) {
+  if (threadIdx.x < 32) __syncthreads();
+  out[threadIdx.x] = 1;
+}
+__global__ void BarrierInsideShuffle(int* out) {
+  if (threadIdx.x == 3) {
+    __syncthreads();
+  } else {
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+  }
+}
+__global__ void ReadsLaneOutsideMask(int* out) {
+  if (threadIdx.x < 2) out[threadIdx.x] = __shfl_sync(0x3u, 1, 5);
+}
+
+TEST(SimtTest, MaskAndBarrierFaults) {
+  for (bool threads : {false, true}) {
+    simt::SetThreadMode(threads);
+    int* d = Upload(std::vector<int>(64, 0));
+    RELGEN_LAUNCH(LaneNotInMask, 1, 32, 0, nullptr)(d);
+    ExpectFault("does not name it");
+    RELGEN_LAUNCH(MaskNamesExited, 1, 32, 0, nullptr)(d);
+    ExpectFault("exit");
+    RELGEN_LAUNCH(MaskNamesMissingLane, 1, 20, 0, nullptr)(d);
+    ExpectFault("of a warp of 20 threads");
+    RELGEN_LAUNCH(DivergentBarrier, 1, 64, 0, nullptr)(d);
+    ExpectFault("__syncthreads");
+    RELGEN_LAUNCH(BarrierInsideShuffle, 1, 32, 0, nullptr)(d);
+    ExpectFault("__syncthreads");
+    RELGEN_LAUNCH(ReadsLaneOutsideMask, 1, 32, 0, nullptr)(d);
+    ExpectFault("reads lane 5");
+    // After a reset the device works again.
+    RELGEN_LAUNCH(MaskNamesMissingLane, 1, 32, 0, nullptr)(d);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    cudaFree(d);
+  }
+  simt::SetThreadMode(false);
+}
+
+__global__ void BlockOrder(int* counter, int* out) {
+  if (threadIdx.x == 0) out[blockIdx.x + gridDim.x * blockIdx.y] = atomicAdd(counter, 1);
+}
+
+TEST(SimtTest, BlockOrderReversible) {
+  for (bool reverse : {false, true}) {
+    simt::SetReverseBlocks(reverse);
+    int* counter = Upload(std::vector<int>{0});
+    int* out = Upload(std::vector<int>(12, -1));
+    RELGEN_LAUNCH(BlockOrder, dim3(4, 3), 32, 0, nullptr)(counter, out);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    const std::vector<int> got = Download(out, 12);
+    for (int i = 0; i < 12; ++i) EXPECT_EQ(got[i], reverse ? 11 - i : i);
+    cudaFree(counter);
+    cudaFree(out);
+  }
+  simt::SetReverseBlocks(false);
+}
+
+__global__ void SharedPerBlock(float* out) {
+  RELGEN_DYNAMIC_SHARED(float, buf);
+  const float before = buf[threadIdx.x];  // uninitialized: the emulator fills it with NaN
+  __syncthreads();
+  buf[threadIdx.x] = blockIdx.x * 1000.f + threadIdx.x;
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] =
+      std::isnan(before) ? buf[(threadIdx.x + 1) % blockDim.x] : -1.f;
+}
+
+TEST(SimtTest, DynamicSharedMemoryIsPerBlock) {
+  float* out = Upload(std::vector<float>(3 * 40, 0.f));
+  RELGEN_LAUNCH(SharedPerBlock, 3, 40, 40 * sizeof(float), nullptr)(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess) << simt::LastFault();
+  const std::vector<float> got = Download(out, 3 * 40);
+  for (int b = 0; b < 3; ++b) {
+    for (int t = 0; t < 40; ++t) EXPECT_EQ(got[b * 40 + t], b * 1000.f + (t + 1) % 40);
+  }
+  cudaFree(out);
+}
+
+TEST(SimtTest, LaunchLimits) {
+  int* d = Upload(std::vector<int>(64, 0));
+  const simt::Counters before = simt::GetCounters();
+  RELGEN_LAUNCH(MaskNamesMissingLane, 1, 1025, 0, nullptr)(d);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // not sticky
+  RELGEN_LAUNCH(MaskNamesMissingLane, dim3(1, 65536), 32, 0, nullptr)(d);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  RELGEN_LAUNCH(MaskNamesMissingLane, 0, 32, 0, nullptr)(d);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  RELGEN_LAUNCH(SharedPerBlock, 1, 32, 228 * 1024, nullptr)(reinterpret_cast<float*>(d));
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  RELGEN_LAUNCH(SharedPerBlock, 1, 32, 49 * 1024, nullptr)
+  (reinterpret_cast<float*>(d));  // no opt-in
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  RELGEN_LAUNCH(MaskNamesMissingLane, 1, 32, 0, reinterpret_cast<cudaStream_t>(d))(d);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle);
+  EXPECT_EQ(simt::GetCounters().launches, before.launches);
+  EXPECT_EQ(simt::GetCounters().launch_errors, before.launch_errors + 6);
+  cudaFree(d);
+}
+
+TEST(SimtTest, DeviceMemory) {
+  const int64_t limit = simt::MemoryLimit();
+  const int64_t in_use = simt::GetCounters().bytes_in_use;
+  simt::SetMemoryLimit(in_use + (1 << 20));
+  size_t free = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  EXPECT_EQ(total, static_cast<size_t>(in_use + (1 << 20)));
+  EXPECT_EQ(free, size_t{1} << 20);
+  void* a = nullptr;
+  void* b = nullptr;
+  EXPECT_EQ(cudaMalloc(&a, 600 << 10), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&b, 600 << 10), cudaErrorMemoryAllocation);
+  EXPECT_EQ(b, nullptr);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  ASSERT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  EXPECT_EQ(free, size_t{(1 << 20) - (600 << 10)});
+  std::vector<char> host(16);
+  EXPECT_EQ(cudaMemcpy(host.data(), host.data() + 8, 8, cudaMemcpyHostToDevice),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cudaMemcpy(a, host.data(), 16, cudaMemcpyDeviceToHost), cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cudaMemcpy(static_cast<char*>(a) + (600 << 10) - 8, host.data(), 16, cudaMemcpyHostToDevice),
+      cudaErrorInvalidValue);  // runs past the allocation
+  EXPECT_EQ(cudaFree(host.data()), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaFree(a), cudaSuccess);
+  EXPECT_EQ(cudaFree(a), cudaErrorInvalidValue);  // double free
+  cudaGetLastError();
+  simt::SetMemoryLimit(limit);
+  EXPECT_EQ(simt::GetCounters().bytes_in_use, in_use);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaErrorInvalidResourceHandle);
+  cudaGetLastError();
+  int count = 0;
+  EXPECT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  EXPECT_EQ(count, 1);
+  EXPECT_EQ(cudaSetDevice(1), cudaErrorInvalidDevice);
+  cudaGetLastError();
+  cudaDeviceProp prop;
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  EXPECT_STREQ(prop.name, "simt-emulator");
+}
+
+// C = alpha op(A) op(B) + beta C, column-major, against a direct evaluation.
+TEST(SimtTest, SgemmHonoursTransposesAndLeadingDimensions) {
+  cublasHandle_t h = nullptr;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  const int m = 5, n = 4, k = 3;
+  for (cublasOperation_t ta : {CUBLAS_OP_N, CUBLAS_OP_T}) {
+    for (cublasOperation_t tb : {CUBLAS_OP_N, CUBLAS_OP_T}) {
+      const int ar = ta == CUBLAS_OP_N ? m : k, ac = ta == CUBLAS_OP_N ? k : m;
+      const int br = tb == CUBLAS_OP_N ? k : n, bc = tb == CUBLAS_OP_N ? n : k;
+      const int lda = ar + 2, ldb = br + 1, ldc = m + 3;
+      std::vector<float> a(lda * ac), b(ldb * bc), c(ldc * n);
+      for (size_t i = 0; i < a.size(); ++i) a[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+      for (size_t i = 0; i < b.size(); ++i) b[i] = 0.5f * static_cast<float>(i % 5) - 1.f;
+      for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<float>(i);
+      float* da = Upload(a);
+      float* db = Upload(b);
+      float* dc = Upload(c);
+      const float alpha = 1.5f, beta = 0.5f;
+      ASSERT_EQ(cublasSgemm(h, ta, tb, m, n, k, &alpha, da, lda, db, ldb, &beta, dc, ldc),
+                CUBLAS_STATUS_SUCCESS);
+      const std::vector<float> got = Download(dc, c.size());
+      for (int j = 0; j < n; ++j) {
+        for (int i = 0; i < ldc; ++i) {
+          if (i >= m) {
+            EXPECT_EQ(got[j * ldc + i], c[j * ldc + i]) << "padding written";
+            continue;
+          }
+          double s = 0;
+          for (int p = 0; p < k; ++p) {
+            const float av = ta == CUBLAS_OP_N ? a[p * lda + i] : a[i * lda + p];
+            const float bv = tb == CUBLAS_OP_N ? b[j * ldb + p] : b[p * ldb + j];
+            s += double{av} * bv;
+          }
+          EXPECT_NEAR(got[j * ldc + i], alpha * s + beta * c[j * ldc + i], 1e-5)
+              << ta << tb << " " << i << "," << j;
+        }
+      }
+      // Leading dimensions below the rows they hold are refused, as cuBLAS does.
+      EXPECT_EQ(cublasSgemm(h, ta, tb, m, n, k, &alpha, da, ar - 1, db, ldb, &beta, dc, ldc),
+                CUBLAS_STATUS_INVALID_VALUE);
+      EXPECT_EQ(cublasSgemm(h, ta, tb, m, n, k, &alpha, da, lda, db, br - 1, &beta, dc, ldc),
+                CUBLAS_STATUS_INVALID_VALUE);
+      EXPECT_EQ(cublasSgemm(h, ta, tb, m, n, k, &alpha, da, lda, db, ldb, &beta, dc, m - 1),
+                CUBLAS_STATUS_INVALID_VALUE);
+      EXPECT_EQ(cublasSgemm(h, ta, tb, -1, n, k, &alpha, da, lda, db, ldb, &beta, dc, ldc),
+                CUBLAS_STATUS_INVALID_VALUE);
+      cudaFree(da);
+      cudaFree(db);
+      cudaFree(dc);
+    }
+  }
+  // A matrix running past its allocation is an illegal address (sticky).
+  float* small = Upload(std::vector<float>(4, 1.f));
+  float* dc = Upload(std::vector<float>(4, 0.f));
+  const float one = 1.f, zero = 0.f;
+  EXPECT_EQ(
+      cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 4, &one, small, 2, small, 4, &zero, dc, 2),
+      CUBLAS_STATUS_EXECUTION_FAILED);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress);
+  simt::ResetDevice();
+  cudaFree(small);
+  cudaFree(dc);
+  EXPECT_EQ(cublasDestroy(h), CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, nullptr, 1, nullptr, 1, &zero,
+                        nullptr, 1),
+            CUBLAS_STATUS_NOT_INITIALIZED);
+}
+
+TEST(SimtTest, Counters) {
+  simt::ResetCounters();
+  int* d = Upload(std::vector<int>(8 * 64, 0));
+  RELGEN_LAUNCH(ShuffleKernel, 1, 64, 0, nullptr)(d);
+  RELGEN_LAUNCH(SharedPerBlock, 2, 32, 32 * sizeof(float), nullptr)(reinterpret_cast<float*>(d));
+  const simt::Counters c = simt::GetCounters();
+  EXPECT_EQ(c.launches, 2);
+  EXPECT_EQ(c.blocks, 3);
+  EXPECT_EQ(c.threads, 128);
+  EXPECT_EQ(c.syncthreads, 4);
+  EXPECT_EQ(c.warp_collectives,
+            2 * 7 + 2 * 2);  // 7 full-warp shuffles and 2 half-warp ones per warp
+  EXPECT_EQ(c.bytes_h2d, 8 * 64 * 4);
+  EXPECT_EQ(c.mallocs, 1);
+  cudaGetLastError();
+  cudaFree(d);
+}
+
+}  // namespace
