@@ -8,7 +8,6 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -77,15 +76,6 @@ ABSL_FLAG(double, stream_write_timeout_seconds, 30,
 
 namespace relgen::server {
 namespace {
-
-int g_signal_pipe[2] = {-1, -1};
-
-void OnStopSignal(int sig) {
-  const int saved = errno;
-  const unsigned char b = static_cast<unsigned char>(sig);
-  [[maybe_unused]] const ssize_t n = write(g_signal_pipe[1], &b, 1);
-  errno = saved;
-}
 
 int Fail(const std::string& msg, int code = 1) {
   std::fprintf(stderr, "relgen-server: %s\n", msg.c_str());
@@ -201,15 +191,12 @@ int Main(int argc, char** argv) {
     if (o.model.empty()) return Fail("no --model given and no default model in models/default", 2);
   }
 
-  // SIGTERM and SIGINT go through a handler and a pipe, not sigwait: threads that libraries start
-  // before main (OpenBLAS's) do not block them, and the default action there would kill the process.
-  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) return Fail("cannot create the signal pipe");
-  struct sigaction on_signal = {};
-  on_signal.sa_handler = OnStopSignal;
-  on_signal.sa_flags = SA_RESTART;
-  sigemptyset(&on_signal.sa_mask);
-  sigaction(SIGTERM, &on_signal, nullptr);
-  sigaction(SIGINT, &on_signal, nullptr);
+  // Signals are taken by sigwait on this thread only.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (!o.tls_cert.empty()) {
@@ -297,9 +284,8 @@ int Main(int argc, char** argv) {
               o.auth_token.empty() ? "" : " (bearer token)", WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
 
-  unsigned char sig = 0;
-  while (read(g_signal_pipe[0], &sig, 1) != 1) {
-  }
+  int sig = 0;
+  sigwait(&signals, &sig);
   std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
               service.in_flight(), o.drain_grace_seconds);
   std::fflush(stdout);

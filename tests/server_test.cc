@@ -4,12 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include <dirent.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
-#include <fstream>
 #include <future>
 #include <thread>
 
@@ -411,35 +406,6 @@ TEST_F(ServerDrainTest, RequestsLeftAtTheGracePeriodEndUnavailable) {
   std::string output;
   EXPECT_EQ(server_->Wait(&output), 0) << output;
   EXPECT_THAT(output, HasSubstr("stopped (4 requests cut at the grace period"));
-}
-
-// SIGTERM is the process's, whichever thread the kernel hands it to: threads that libraries start
-// before main (OpenBLAS's) do not block it, and with sigwait the default action there killed the
-// server whenever the main thread was not waiting at that moment (seen once on a busy machine).
-TEST(ServerLifecycleTest, SigtermToAnyThreadDrains) {
-  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192"});
-  // A thread other than the main one that does not block SIGTERM.
-  pid_t target = 0;
-  const std::string tasks = "/proc/" + std::to_string(server->pid()) + "/task";
-  DIR* d = opendir(tasks.c_str());
-  ASSERT_NE(d, nullptr);
-  while (dirent* e = readdir(d)) {
-    const pid_t tid = static_cast<pid_t>(std::atoi(e->d_name));
-    if (tid <= 0 || tid == server->pid()) continue;
-    std::ifstream status(tasks + "/" + e->d_name + "/status");
-    std::string line;
-    while (std::getline(status, line)) {
-      if (line.rfind("SigBlk:", 0) == 0 && (std::stoull(line.substr(7), nullptr, 16) & (1ull << (SIGTERM - 1))) == 0) {
-        target = tid;
-      }
-    }
-  }
-  closedir(d);
-  ASSERT_NE(target, 0) << "every thread but the main one blocks SIGTERM";
-  ASSERT_EQ(syscall(SYS_tgkill, server->pid(), target, SIGTERM), 0);
-  std::string output;
-  EXPECT_EQ(server->Wait(&output), 0) << "killed by the signal instead of draining";
-  EXPECT_THAT(output, HasSubstr("SIGTERM: draining"));
 }
 
 // A second server on a port another one listens on is refused; before, gRPC's SO_REUSEPORT let it
