@@ -1,6 +1,6 @@
 // LD_PRELOAD fault injection for connect_fault_test: the next N TCP connect() calls of the process
 // fail with ENOENT. That is what Debian 12's gRPC (1.51) sees when it reads errno after other calls
-// overwrote connect's EINPROGRESS (fixed upstream in gRPC 1.61): a fatal connect error on a healthy
+// overwrote connect's EINPROGRESS (fixed upstream later, grpc PR #35064): a fatal connect error on a healthy
 // server. relgen_fail_connects(N), or RELGEN_FAIL_CONNECTS=N in the environment, arms it.
 #include <dlfcn.h>
 #include <sys/socket.h>
