@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -75,7 +76,10 @@ def wait_for_data(port, exprs, give_up_s=120):
     missing = exprs
     deadline = time.monotonic() + give_up_s
     while missing and time.monotonic() < deadline:
-        missing = [e for e in exprs if not query(port, e)]
+        try:
+            missing = [e for e in exprs if not query(port, e)]
+        except urllib.error.URLError:  # Prometheus answers 503 until its storage is ready
+            pass
         if missing:
             time.sleep(0.5)
     return missing
