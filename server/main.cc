@@ -137,6 +137,21 @@ std::string WithPort(const std::string& addr, int port) {
   return absl::StrCat(addr.substr(0, addr.rfind(':')), ":", port);
 }
 
+// Set by the handler for a stop signal that reached a thread other than main's.
+std::atomic<int> g_stop_signal{0};
+void OnStopSignal(int sig) { g_stop_signal.store(sig, std::memory_order_relaxed); }
+
+// Main blocks the stop signals and takes them here; the short timeout notices one the handler caught
+// on another thread.
+int WaitForStopSignal(const sigset_t& signals) {
+  const timespec tick = {0, 100 * 1000 * 1000};
+  while (true) {
+    const int sig = sigtimedwait(&signals, nullptr, &tick);
+    if (sig > 0) return sig;
+    if (const int caught = g_stop_signal.load(std::memory_order_relaxed); caught != 0) return caught;
+  }
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage("relgen-server [--model DIR] [--listen HOST:PORT] [--metrics_listen HOST:PORT] ...");
   absl::ParseCommandLine(argc, argv);
@@ -191,11 +206,19 @@ int Main(int argc, char** argv) {
     if (o.model.empty()) return Fail("no --model given and no default model in models/default", 2);
   }
 
-  // Signals are taken by sigwait on this thread only.
+  // SIGTERM/SIGINT are blocked here, so every thread started from now on inherits the block, and
+  // WaitForStopSignal takes them. Threads that libraries started before main (the BLAS pool) do not
+  // block them: the handler catches a signal the kernel hands to one of those, where the default
+  // action would kill the process mid-drain.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  struct sigaction on_stop = {};
+  on_stop.sa_handler = OnStopSignal;
+  sigemptyset(&on_stop.sa_mask);
+  sigaction(SIGTERM, &on_stop, nullptr);
+  sigaction(SIGINT, &on_stop, nullptr);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
@@ -284,8 +307,7 @@ int Main(int argc, char** argv) {
               o.auth_token.empty() ? "" : " (bearer token)", WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitForStopSignal(signals);
   std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
               service.in_flight(), o.drain_grace_seconds);
   std::fflush(stdout);

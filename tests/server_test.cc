@@ -466,6 +466,30 @@ TEST(ServerTlsTest, ServesOverTls) {
   EXPECT_FALSE(Stub(*server)->Generate(&plain_ctx, TokenRequest({1, 2}, 3), &resp).ok());
 }
 
+// Threads a library started before main (the BLAS pool) do not block SIGTERM, and the kernel may hand
+// the process's SIGTERM to any of them: that must drain the server like one main takes, not kill it.
+TEST(ServerLifecycleTest, SigtermToAnyThreadDrains) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "4096"});
+  const pid_t pid = server->pid();
+  pid_t target = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    const pid_t tid = std::stoi(task.path().filename().string());
+    if (tid == pid) continue;
+    std::ifstream status(task.path() / "status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("SigBlk:", 0) != 0) continue;
+      const unsigned long long blocked = std::strtoull(line.c_str() + 7, nullptr, 16);
+      if ((blocked & (1ull << (SIGTERM - 1))) == 0) target = tid;
+    }
+  }
+  if (target == 0) GTEST_SKIP() << "every thread but main blocks SIGTERM here: no other thread can receive it";
+  ASSERT_EQ(syscall(SYS_tgkill, pid, target, SIGTERM), 0);
+  std::string output;
+  EXPECT_EQ(server->Wait(&output), 0) << output;
+  EXPECT_THAT(output, HasSubstr("SIGTERM: draining"));
+  EXPECT_THAT(output, HasSubstr("relgen-server: stopped"));
+}
+
 TEST(ServerLifecycleTest, BadModelExitsNonZeroWithTheLoadersMessage) {
   const std::string dir = testing::TempDir("badmodel");
   std::system(("cp -r '" + ModelDir("none") + "/.' '" + dir + "'").c_str());
