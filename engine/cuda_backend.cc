@@ -16,6 +16,10 @@ namespace {
 
 absl::Status CudaStatus(cudaError_t e, const char* what, const char* file, int line) {
   if (e == cudaSuccess) return absl::OkStatus();
+  // The runtime also keeps a failed call's error as the thread's last error; consume it here, or the
+  // next kernel wrapper's cudaGetLastError() reports it again (a failed allocation in one Forward
+  // failed the next request's first launch). Sticky errors stay.
+  cudaGetLastError();
   return absl::InternalError(absl::StrCat(what, " at ", file, ":", line, ": ", cudaGetErrorString(e)));
 }
 absl::Status CublasStatus(cublasStatus_t e, const char* what, const char* file, int line) {
@@ -125,7 +129,12 @@ class CudaBackend final : public Backend {
   }
 
   absl::string_view name() const override { return "cuda"; }
+#if defined(RELGEN_SIMT_EMULATOR)
+  // Built against the SIMT emulator's cuda_runtime.h (tests/simt, test-only): say so.
+  std::string device() const override { return absl::StrCat("simt-emulator:", device_); }
+#else
   std::string device() const override { return absl::StrCat("cuda:", device_); }
+#endif
   const KvCacheConfig& kv_cache() const override { return kv_; }
   BackendMemory memory() const override {
     BackendMemory m;

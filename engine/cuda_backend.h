@@ -1,5 +1,6 @@
 // CUDA backend: the decoder forward on one GPU, float32, with the kernels of kernels/cuda and
-// cuBLAS for the projections. Built only where nvcc is found (RELGEN_WITH_CUDA).
+// cuBLAS for the projections. Built where nvcc is found (RELGEN_WITH_CUDA), and in test trees
+// against relgen's SIMT emulator (tests/simt), where device() reports "simt-emulator:N".
 #pragma once
 
 #include <memory>

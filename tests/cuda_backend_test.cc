@@ -1,5 +1,7 @@
-// The CUDA backend and kernels against their CPU twins and the PyTorch goldens. Every test skips
-// where no CUDA device is present (these machines build the CUDA code but have no GPU).
+// The CUDA backend and kernels against their CPU twins and the PyTorch goldens. Built twice: by
+// nvcc's host compiler against the CUDA toolkit (cuda_backend_test; every test skips where no CUDA
+// device is present), and against relgen's SIMT emulator (cuda_backend_test_emu, tests/simt), which
+// runs every test on the CPU with smaller shapes (RELGEN_SIMT_EMULATOR) and adds emulator checks.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -8,17 +10,38 @@
 
 #include "engine/cpu_backend.h"
 #include "engine/cuda_backend.h"
+#include "engine/device.h"
 #include "engine/engine.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cuda/decoder_kernels.h"
+#include "kernels/cuda/relpos_device.h"
 #include "kernels/relpos_host.h"
 #include "tests/test_util.h"
+#if RELGEN_SIMT_EMULATOR
+#include "tests/simt/simt.h"
+#endif
 
 namespace relgen {
 namespace {
 
 #define REQUIRE_GPU() \
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device"
+
+// The emulator runs every thread of every block on one CPU core: the same cases, smaller.
+#if RELGEN_SIMT_EMULATOR
+constexpr bool kEmulated = true;
+// One OS thread per CUDA thread (the race check): the kernel cases shrink again.
+bool OnThreads() { return simt::ThreadMode(); }
+#else
+constexpr bool kEmulated = false;
+bool OnThreads() { return false; }
+#endif
+#if RELGEN_SANITIZER
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
 
 template <typename T>
 T* Upload(const std::vector<T>& v) {
@@ -43,7 +66,7 @@ class CudaAttentionTest : public ::testing::TestWithParam<AttnCase> {};
 TEST_P(CudaAttentionTest, MatchesCpuTwin) {
   REQUIRE_GPU();
   const AttnCase p = GetParam();
-  const int H = 4, hd = 64, W = H * hd, L = p.length, bs = p.block_size;
+  const int H = 4, hd = 64, W = H * hd, L = OnThreads() ? std::min(p.length, 12) : p.length, bs = p.block_size;
   const int nblocks = (L + bs - 1) / bs;
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
@@ -98,7 +121,7 @@ TEST_P(CudaAttentionTest, MatchesCpuTwin) {
   cuda::KvPool pool{Upload(std::vector<float>(kpool.size(), NAN)), Upload(std::vector<float>(kpool.size(), NAN)), bs, H, hd};
   float* dq = Upload(q);
   ASSERT_EQ(cuda::WriteKv(pool, r, Upload(k), Upload(v), nullptr), cudaSuccess);
-  const int kps = 128;
+  const int kps = OnThreads() ? 4 : kEmulated ? 32 : 128;  // several key splits per row either way
   float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(L, H, hd, L, kps), 1)));
   float* dout = Upload(std::vector<float>(size_t(L) * W, NAN));
   ASSERT_EQ(cuda::Attention(dq, r, L, 0.125f, grel, pool, dout, work, kps, nullptr), cudaSuccess);
@@ -107,12 +130,23 @@ TEST_P(CudaAttentionTest, MatchesCpuTwin) {
   for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4 * (1 + std::abs(want[i]))) << i;
 }
 
+#if !RELGEN_SIMT_EMULATOR
 INSTANTIATE_TEST_SUITE_P(
     Schemes, CudaAttentionTest,
     ::testing::Values(AttnCase{relpos::Scheme::kNone, 0, 0, false, 37, 7}, AttnCase{relpos::Scheme::kSkew, 20, 0, false, 300, 16},
                       AttnCase{relpos::Scheme::kSkew, 1000, 0, false, 701, 5}, AttnCase{relpos::Scheme::kSkewLocal, 64, 32, false, 333, 16},
                       AttnCase{relpos::Scheme::kShaw, 8, 0, true, 129, 3}, AttnCase{relpos::Scheme::kShaw, 300, 0, false, 513, 16},
                       AttnCase{relpos::Scheme::kT5, 0, 0, false, 257, 1}, AttnCase{relpos::Scheme::kAlibi, 0, 0, false, 999, 16}));
+#else
+// Each case keeps what it tests: skew with M < L (zero beyond M) and M > L, local with several
+// blocks, Shaw clipped on both sides with and without values, T5 past its table (> 128), ALiBi.
+INSTANTIATE_TEST_SUITE_P(
+    Schemes, CudaAttentionTest,
+    ::testing::Values(AttnCase{relpos::Scheme::kNone, 0, 0, false, 37, 7}, AttnCase{relpos::Scheme::kSkew, 20, 0, false, 96, 16},
+                      AttnCase{relpos::Scheme::kSkew, 200, 0, false, 130, 5}, AttnCase{relpos::Scheme::kSkewLocal, 24, 16, false, 80, 16},
+                      AttnCase{relpos::Scheme::kShaw, 8, 0, true, 70, 3}, AttnCase{relpos::Scheme::kShaw, 50, 0, false, 130, 16},
+                      AttnCase{relpos::Scheme::kT5, 0, 0, false, 150, 1}, AttnCase{relpos::Scheme::kAlibi, 0, 0, false, 140, 16}));
+#endif
 
 std::vector<std::string> Cases() {
   const std::string dir = testing::GoldenDir();
@@ -134,7 +168,11 @@ TEST_P(CudaParityTest, MatchesReference) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   auto golden = *SafetensorsFile::Open(dir + "/golden.safetensors");
   const int vocab = model->config().vocab_size;
-  for (int len : {1, 17, 129}) {
+  // Emulated under a sanitizer: still past a KV block (16), whole and token by token.
+  const std::vector<int> lengths = !kEmulated ? std::vector<int>{1, 17, 129}
+                                   : kSanitized ? std::vector<int>{1, 17}
+                                                : std::vector<int>{1, 17, 64};
+  for (int len : lengths) {
     const TensorInfo* t = golden->Find("tokens_" + std::to_string(len));
     const TensorInfo* l = golden->Find("logits_" + std::to_string(len));
     std::vector<int32_t> tokens(len);
@@ -168,10 +206,12 @@ TEST(CudaEngineTest, BatchedEqualsAlone) {
     return *Engine::Create(model, *NewCudaBackend(model, KvCacheConfig{16, 512}), NewByteTokenizer(), EngineConfig{});
   };
   std::vector<Request> work;
-  for (int i = 0; i < 16; ++i) {
+  const int requests = kEmulated ? (kSanitized ? 3 : 6) : 16, max_prompt = kEmulated ? 60 : 200,
+            new_tokens = kEmulated ? 6 : 20;
+  for (int i = 0; i < requests; ++i) {
     Request r;
-    for (int t = 0; t < 1 + (i * 37) % 200; ++t) r.prompt.push_back((i * 7 + t) % 256);
-    r.stop.max_new_tokens = 20 + i;
+    for (int t = 0; t < 1 + (i * 37) % max_prompt; ++t) r.prompt.push_back((i * 7 + t) % 256);
+    r.stop.max_new_tokens = new_tokens + i;
     r.stop.ignore_eos = true;
     r.sampling.temperature = 0;
     work.push_back(r);
@@ -190,6 +230,181 @@ TEST(CudaEngineTest, BatchedEqualsAlone) {
   for (const Request& r : work) hs.push_back(*batch_engine->Submit(r));
   for (size_t i = 0; i < hs.size(); ++i) EXPECT_EQ(drain(*hs[i]), alone[i]) << "request " << i;
 }
+
+// The device evaluates the shared index functions as the host does (relpos_device.cu).
+TEST(CudaRelposTest, DeviceMatchesHost) {
+  REQUIRE_GPU();
+  const int n = kEmulated ? 40 : 70;
+  const std::vector<int32_t> t5 = relpos::T5BucketTable(32, 128, false);
+  struct Case {
+    relpos::Scheme scheme;
+    int param, block;
+  };
+  for (const Case& c : {Case{relpos::Scheme::kSkew, 20, 0}, Case{relpos::Scheme::kSkewLocal, 40, 16},
+                        Case{relpos::Scheme::kShaw, 5, 0}, Case{relpos::Scheme::kT5, 0, 0},
+                        Case{relpos::Scheme::kAlibi, 0, 0}}) {
+    std::vector<int32_t> got(n * n, -7);
+    ASSERT_EQ(cuda::RelIndices(c.scheme, c.param, c.block, n, t5.data(), static_cast<int>(t5.size()), got.data()),
+              cudaSuccess);
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) {
+        int want = -2;
+        if (j <= i && j >= relpos::WindowStart(c.scheme, i, c.block)) {
+          if (c.scheme == relpos::Scheme::kShaw) {
+            want = relpos::ShawRow(i, j, c.param);
+          } else if (c.scheme == relpos::Scheme::kT5) {
+            want = relpos::T5Bucket(j - i, 32, 128, false);
+          } else if (c.scheme == relpos::Scheme::kAlibi) {
+            want = i - j;
+          } else {
+            want = relpos::SkewRow(i - j, c.param);
+          }
+        }
+        ASSERT_EQ(got[i * n + j], want) << i << "," << j;
+      }
+    }
+  }
+}
+
+// The row kernels (block reductions through shared memory and warp shuffles, elementwise ones)
+// against their CPU twins, with a width that is not a multiple of the block.
+TEST(CudaKernelsTest, RowKernelsMatchCpuTwins) {
+  REQUIRE_GPU();
+  const int rows = 5, dim = 300;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.5f, 2.f);
+  auto randv = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = nd(rng);
+    return v;
+  };
+  const std::vector<float> x = randv(rows * dim), w = randv(dim), b = randv(dim), g = randv(rows * dim);
+  auto download = [](const float* d, size_t n) {
+    std::vector<float> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  };
+  auto expect_close = [](const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4 * (1 + std::abs(want[i]))) << what << " " << i;
+  };
+  for (bool layernorm : {true, false}) {
+    std::vector<float> want(x.size());
+    if (layernorm) {
+      cpu::LayerNorm(x.data(), rows, dim, w.data(), b.data(), 1e-5f, want.data());
+    } else {
+      cpu::RmsNorm(x.data(), rows, dim, w.data(), 1e-5f, want.data());
+    }
+    float* dy = Upload(std::vector<float>(x.size(), NAN));
+    ASSERT_EQ(cuda::Norm(layernorm, Upload(x), rows, dim, Upload(w), layernorm ? Upload(b) : nullptr, 1e-5f, dy, nullptr),
+              cudaSuccess);
+    expect_close(download(dy, x.size()), want, layernorm ? "layernorm" : "rmsnorm");
+  }
+  for (cpu::Activation act : {cpu::Activation::kRelu, cpu::Activation::kGelu, cpu::Activation::kGeluTanh,
+                              cpu::Activation::kSilu}) {
+    const int code = static_cast<int>(act == cpu::Activation::kRelu       ? 0
+                                      : act == cpu::Activation::kGelu     ? 1
+                                      : act == cpu::Activation::kGeluTanh ? 2
+                                                                          : 3);
+    std::vector<float> want = x;
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < dim; ++c) want[r * dim + c] += b[c];
+    }
+    cpu::Activate(act, want.data(), static_cast<int64_t>(want.size()));
+    float* dy = Upload(x);
+    ASSERT_EQ(cuda::BiasActivate(dy, rows, dim, Upload(b), code, nullptr), cudaSuccess);
+    expect_close(download(dy, x.size()), want, "bias+activation");
+    std::vector<float> gated = x;
+    cpu::ActivateGated(act, gated.data(), g.data(), static_cast<int64_t>(gated.size()));
+    float* dx = Upload(x);
+    ASSERT_EQ(cuda::ActivateGated(code, dx, Upload(g), static_cast<int64_t>(x.size()), nullptr), cudaSuccess);
+    expect_close(download(dx, x.size()), gated, "gated");
+  }
+  std::vector<float> sum = x;
+  cpu::AddInPlace(sum.data(), g.data(), static_cast<int64_t>(sum.size()));
+  float* dsum = Upload(x);
+  ASSERT_EQ(cuda::AddInPlace(dsum, Upload(g), static_cast<int64_t>(x.size()), nullptr), cudaSuccess);
+  expect_close(download(dsum, x.size()), sum, "add");
+  const std::vector<int32_t> ids = {3, 0, 4, 4, 1};
+  std::vector<float> emb(ids.size() * dim);
+  cpu::Embedding(x.data(), dim, ids.data(), static_cast<int>(ids.size()), 0.5f, emb.data());
+  float* demb = Upload(std::vector<float>(emb.size(), NAN));
+  ASSERT_EQ(cuda::Embedding(Upload(ids), static_cast<int>(ids.size()), Upload(x), dim, 0.5f, demb, nullptr), cudaSuccess);
+  expect_close(download(demb, emb.size()), emb, "embedding");
+}
+
+#if RELGEN_SIMT_EMULATOR
+// The backend built on the emulator says so wherever it names its device.
+TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  for (const char* device : {"cuda", "auto", "cuda:0"}) {
+    DeviceOptions o;
+    o.device = device;
+    o.kv_cache_tokens = 1024;
+    auto backend = NewBackend(model, o);
+    ASSERT_TRUE(backend.ok()) << device << ": " << backend.status();
+    EXPECT_EQ((*backend)->name(), "cuda");
+    EXPECT_EQ((*backend)->device(), "simt-emulator:0") << device;
+  }
+  EXPECT_FALSE(NewBackend(model, DeviceOptions{"cuda:1", 1024}).ok());
+}
+
+// One forward's work as the emulator counts it: every projection is one GEMM, memory comes back.
+TEST(CudaEmulatorTest, CountsWork) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const ModelConfig& c = model->config();
+  const int64_t before = simt::GetCounters().bytes_in_use;
+  {
+    auto backend = NewCudaBackend(model, KvCacheConfig{16, 8});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    simt::ResetCounters();
+    const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
+    const std::vector<int32_t> table = {3, 1};
+    SequenceStep s{tokens, 0, table, false};
+    std::vector<float> logits;
+    ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+    const simt::Counters n = simt::GetCounters();
+    EXPECT_EQ(n.gemms, c.n_layers * (4 + (c.ffn_gated ? 3 : 2)) + 1);
+    EXPECT_GT(n.launches, 0);
+    EXPECT_GT(n.syncthreads, 0);
+    EXPECT_GT(n.warp_collectives, 0);
+    EXPECT_GT(n.bytes_h2d, 0);
+    EXPECT_EQ(n.bytes_d2h, int64_t{c.vocab_size} * static_cast<int64_t>(sizeof(float)));
+    EXPECT_EQ(n.launch_errors, 0);
+  }
+  EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
+}
+
+// Device memory is capped: the backend reports an allocation that does not fit, and frees the rest.
+TEST(CudaEmulatorTest, OutOfDeviceMemory) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const int64_t limit = simt::MemoryLimit();
+  const int64_t before = simt::GetCounters().bytes_in_use;
+  simt::SetMemoryLimit(before + model->float_bytes() + 4096);
+  auto backend = NewCudaBackend(model, KvCacheConfig{16, 4096});
+  simt::SetMemoryLimit(limit);
+  ASSERT_FALSE(backend.ok());
+  EXPECT_NE(backend.status().message().find("out of memory"), std::string::npos) << backend.status();
+  EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
+  size_t free = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  EXPECT_EQ(static_cast<int64_t>(total), limit);
+
+  // A Forward that cannot allocate its activations fails alone: the next one runs (the failed
+  // allocation's error must not come back from the next kernel launch's check).
+  auto small = NewCudaBackend(model, KvCacheConfig{16, 8});
+  ASSERT_TRUE(small.ok()) << small.status();
+  const std::vector<int32_t> tokens(100, 7), table = {0, 1, 2, 3, 4, 5, 6};
+  SequenceStep s{tokens, 0, table, false};
+  std::vector<float> logits;
+  simt::SetMemoryLimit(simt::GetCounters().bytes_in_use);
+  const absl::Status failed = (*small)->Forward({&s, 1}, &logits);
+  simt::SetMemoryLimit(limit);
+  EXPECT_NE(failed.message().find("out of memory"), std::string::npos) << failed;
+  const absl::Status next = (*small)->Forward({&s, 1}, &logits);
+  EXPECT_TRUE(next.ok()) << next;
+}
+#endif
 
 }  // namespace
 }  // namespace relgen

@@ -76,8 +76,9 @@ case "$mode" in
           cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
             -DCMAKE_C_COMPILER=clang -DRELGEN_CUDA=OFF -DRELGEN_SANITIZE=thread \
             > build-tsan.log 2>&1 || { cat build-tsan.log; exit 1; }
-          cmake --build build-tsan -j "$jobs" --target relgen-server engine_test server_test soak_test reliability_test
-          run_stage tsan --test-dir build-tsan --output-on-failure -j "$jobs" -L concurrency
+          cmake --build build-tsan -j "$jobs" --target relgen-server engine_test server_test soak_test reliability_test \
+            cuda_backend_test_emu simt_test
+          run_stage tsan --test-dir build-tsan --output-on-failure -j "$jobs" -L 'concurrency|simt'
           ;;
         *) echo "unknown stage '$stage' in RELGEN_TEST_STAGES (main, asan, tsan)" >&2; exit 2 ;;
       esac

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cuda/decoder_kernels.h"
+#include "kernels/cuda/launch.h"
 
 namespace relgen::cuda {
 namespace {
@@ -171,7 +172,7 @@ __global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative
   }
 
   // Merge the warps.
-  extern __shared__ float smem[];  // kWarps * (hd + 2)
+  RELGEN_DYNAMIC_SHARED(float, smem);  // kWarps * (hd + 2)
   float* mine = smem + warp * (hd + 2);
 #pragma unroll
   for (int t = 0; t < kMaxPerLane; ++t) {
@@ -237,39 +238,39 @@ unsigned Blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 
 cudaError_t Embedding(const int32_t* ids, int n, const float* table, int dim, float scale, float* out, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  EmbeddingKernel<<<Blocks(int64_t{n} * dim, 256), 256, 0, s>>>(ids, n, table, dim, scale, out);
+  RELGEN_LAUNCH(EmbeddingKernel, Blocks(int64_t{n} * dim, 256), 256, 0, s)(ids, n, table, dim, scale, out);
   return cudaGetLastError();
 }
 
 cudaError_t Norm(bool layernorm, const float* x, int rows, int dim, const float* w, const float* b, float eps, float* y,
                  cudaStream_t s) {
   if (rows == 0) return cudaSuccess;
-  NormKernel<<<rows, 256, 0, s>>>(layernorm, x, dim, w, b, eps, y);
+  RELGEN_LAUNCH(NormKernel, rows, 256, 0, s)(layernorm, x, dim, w, b, eps, y);
   return cudaGetLastError();
 }
 
 cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int act, cudaStream_t s) {
   const int64_t n = int64_t{rows} * cols;
   if (n == 0) return cudaSuccess;
-  BiasActivateKernel<<<Blocks(n, 256), 256, 0, s>>>(y, n, cols, bias, act);
+  RELGEN_LAUNCH(BiasActivateKernel, Blocks(n, 256), 256, 0, s)(y, n, cols, bias, act);
   return cudaGetLastError();
 }
 
 cudaError_t ActivateGated(int act, float* x, const float* gate, int64_t n, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  GatedKernel<<<Blocks(n, 256), 256, 0, s>>>(act, x, gate, n);
+  RELGEN_LAUNCH(GatedKernel, Blocks(n, 256), 256, 0, s)(act, x, gate, n);
   return cudaGetLastError();
 }
 
 cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  AddKernel<<<Blocks(n, 256), 256, 0, s>>>(y, x, n);
+  RELGEN_LAUNCH(AddKernel, Blocks(n, 256), 256, 0, s)(y, x, n);
   return cudaGetLastError();
 }
 
 cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const float* v, cudaStream_t s) {
   if (rows.n == 0) return cudaSuccess;
-  WriteKvKernel<<<dim3(rows.n, kv.n_heads), 64, 0, s>>>(kv, rows, k, v);
+  RELGEN_LAUNCH(WriteKvKernel, dim3(rows.n, kv.n_heads), 64, 0, s)(kv, rows, k, v);
   return cudaGetLastError();
 }
 
@@ -284,11 +285,11 @@ cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scal
   if (rows.n == 0) return cudaSuccess;
   const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
   const size_t smem = sizeof(float) * kWarps * (kv.head_dim + 2);
-  AttentionKernel<<<dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s>>>(q, rows, scale, rel, kv, out, workspace,
-                                                                              keys_per_split);
+  RELGEN_LAUNCH(AttentionKernel, dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s)(
+      q, rows, scale, rel, kv, out, workspace, keys_per_split);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
-  CombineKernel<<<dim3(rows.n, kv.n_heads), 64, 0, s>>>(workspace, splits, kv.n_heads, kv.head_dim, out);
+  RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, 0, s)(workspace, splits, kv.n_heads, kv.head_dim, out);
   return cudaGetLastError();
 }
 

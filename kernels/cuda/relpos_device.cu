@@ -2,6 +2,7 @@
 // (query, key) pair of a window, the index a kernel would use, so tests can check device == host.
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/relpos_device.h"
 #include "kernels/relpos.h"
 
@@ -49,7 +50,7 @@ cudaError_t RelIndices(relpos::Scheme scheme, int param, int block_length, int n
   if (err == cudaSuccess) {
     const dim3 block(16, 16);
     const dim3 grid((n + 15) / 16, (n + 15) / 16);
-    RelIndexKernel<<<grid, block>>>(scheme, param, block_length, n, d_t5, t5_len, d_out);
+    RELGEN_LAUNCH(RelIndexKernel, grid, block, 0, nullptr)(scheme, param, block_length, n, d_t5, t5_len, d_out);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) {
