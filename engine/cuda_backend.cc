@@ -100,31 +100,35 @@ class CudaBackend final : public Backend {
       for (int64_t d : spec.shape) n *= d;
       auto host = Host(spec.name);
       if (host == nullptr) return absl::InternalError("weight " + spec.name + " missing on the host");
-      float* dev = nullptr;
+      // Every allocation is owned by a member the moment it exists: a failure part-way through
+      // Init leaves the destructor to free what was made.
+      float*& dev = weights_[spec.name];
       RELGEN_CUDA_RETURN(cudaMalloc(&dev, n * sizeof(float)));
-      RELGEN_CUDA_RETURN(cudaMemcpy(dev, host, n * sizeof(float), cudaMemcpyHostToDevice));
-      weights_[spec.name] = dev;
       weight_bytes_ += n * static_cast<int64_t>(sizeof(float));
+      // On the work stream: a plain cudaMemcpy runs on the legacy stream, which does not order the
+      // non-blocking work stream's first kernels after the copy.
+      RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, host, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
     }
     const int64_t per_layer = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim;
     for (int l = 0; l < c.n_layers; ++l) {
-      float *k = nullptr, *v = nullptr;
-      RELGEN_CUDA_RETURN(cudaMalloc(&k, per_layer * sizeof(float)));
-      RELGEN_CUDA_RETURN(cudaMalloc(&v, per_layer * sizeof(float)));
-      k_pools_.push_back(k);
-      v_pools_.push_back(v);
+      RELGEN_CUDA_RETURN(cudaMalloc(&k_pools_.emplace_back(nullptr), per_layer * sizeof(float)));
+      RELGEN_CUDA_RETURN(cudaMalloc(&v_pools_.emplace_back(nullptr), per_layer * sizeof(float)));
     }
     kv_bytes_ = 2 * per_layer * c.n_layers * static_cast<int64_t>(sizeof(float));
     if (!model_->t5_bucket_table().empty()) {
       const auto& t = model_->t5_bucket_table();
       RELGEN_CUDA_RETURN(cudaMalloc(&t5_table_, t.size() * sizeof(int32_t)));
-      RELGEN_CUDA_RETURN(cudaMemcpy(t5_table_, t.data(), t.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+      RELGEN_CUDA_RETURN(
+          cudaMemcpyAsync(t5_table_, t.data(), t.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     }
     if (!model_->alibi_slopes().empty()) {
       const auto& s = model_->alibi_slopes();
       RELGEN_CUDA_RETURN(cudaMalloc(&alibi_, s.size() * sizeof(float)));
-      RELGEN_CUDA_RETURN(cudaMemcpy(alibi_, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice));
+      RELGEN_CUDA_RETURN(cudaMemcpyAsync(alibi_, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
     }
+    // The host sources are pageable and stay the model's; waiting here makes Init's end the point
+    // after which the device holds the weights.
+    RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
 

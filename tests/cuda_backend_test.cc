@@ -404,6 +404,39 @@ TEST(CudaEmulatorTest, OutOfDeviceMemory) {
   const absl::Status next = (*small)->Forward({&s, 1}, &logits);
   EXPECT_TRUE(next.ok()) << next;
 }
+
+// A start that fails part-way (here: layer 0's V pool, after its K pool) frees everything it made.
+TEST(CudaEmulatorTest, FailedStartFreesWhatItAllocated) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const ModelConfig& c = model->config();
+  const KvCacheConfig kv{16, 512};
+  const int64_t pool = int64_t{kv.num_blocks} * kv.block_size * c.n_heads * c.head_dim * sizeof(float);
+  const int64_t limit = simt::MemoryLimit();
+  const int64_t before = simt::GetCounters().bytes_in_use;
+  simt::SetMemoryLimit(before + model->float_bytes() + pool + pool / 2);
+  auto backend = NewCudaBackend(model, kv);
+  simt::SetMemoryLimit(limit);
+  ASSERT_FALSE(backend.ok());
+  EXPECT_NE(backend.status().message().find("out of memory"), std::string::npos) << backend.status();
+  EXPECT_EQ(simt::GetCounters().bytes_in_use, before) << "bytes left allocated by a failed start";
+}
+
+// The weights are copied before the first forward reads them: the copies and the forward are on
+// one stream, or synchronized (a copy on the legacy stream does not order the non-blocking work
+// stream; the emulator faults on the hazard).
+TEST(CudaEmulatorTest, WeightsAreOnTheDeviceBeforeTheFirstForward) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  simt::ResetCounters();
+  auto backend = NewCudaBackend(model, KvCacheConfig{16, 8});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const std::vector<int32_t> tokens = {1, 2, 3}, table = {0};
+  SequenceStep s{tokens, 0, table, false};
+  std::vector<float> logits;
+  const absl::Status st = (*backend)->Forward({&s, 1}, &logits);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(simt::GetCounters().stream_hazards, 0) << simt::LastFault();
+  if (!simt::LastFault().empty()) simt::ResetDevice();  // keep the process usable for later tests
+}
 #endif
 
 }  // namespace

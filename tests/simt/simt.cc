@@ -84,6 +84,9 @@ bool EnvFlag(const char* name) {
 struct Runtime {
   std::mutex mu;  // everything below but launch_mu
   std::map<uintptr_t, size_t> allocations;
+  // Allocation base -> the stream whose copy or GEMM into it is not yet synchronized (nullptr:
+  // the legacy stream).
+  std::map<uintptr_t, const CUstream_st*> in_flight;
   std::set<const CUstream_st*> streams;
   std::set<const cublasContext*> handles;
   Counters counters;
@@ -145,6 +148,70 @@ bool InDeviceMemoryLocked(const void* p, size_t bytes) {
 bool InDeviceMemory(const void* p, size_t bytes) {
   std::lock_guard<std::mutex> l(R().mu);
   return InDeviceMemoryLocked(p, bytes);
+}
+
+// Base of the allocation holding p, or 0. Caller holds R().mu.
+uintptr_t AllocationOfLocked(uintptr_t p) {
+  auto it = R().allocations.upper_bound(p);
+  if (it == R().allocations.begin()) return 0;
+  --it;
+  return p >= it->first && p < it->first + std::max<size_t>(it->second, 1) ? it->first : 0;
+}
+
+// Whether work on `reader` runs after earlier work on `writer` without a synchronization: the same
+// stream, or the legacy stream and a blocking (cudaStreamDefault) one.
+bool OrderedLocked(const CUstream_st* reader, const CUstream_st* writer) {
+  if (reader == writer) return true;
+  const auto blocking = [](const CUstream_st* s) { return s != nullptr && (s->flags & cudaStreamNonBlocking) == 0; };
+  return (reader == nullptr && blocking(writer)) || (writer == nullptr && blocking(reader));
+}
+
+std::string StreamName(const CUstream_st* s) {
+  if (s == nullptr) return "the legacy stream";
+  char b[64];
+  std::snprintf(b, sizeof(b), "stream %p (%s)", static_cast<const void*>(s),
+                (s->flags & cudaStreamNonBlocking) != 0 ? "non-blocking" : "blocking");
+  return b;
+}
+
+// Checks that `what` on `stream` may touch each of `pointers` (any word that is not a device
+// address is ignored); on a hazard, counts it, makes it the sticky fault and returns false.
+bool CheckStreamOrder(const std::string& what, cudaStream_t stream, const uintptr_t* words, size_t n) {
+  std::string hazard;
+  {
+    std::lock_guard<std::mutex> l(R().mu);
+    if (R().in_flight.empty()) return true;
+    for (size_t i = 0; i < n && hazard.empty(); ++i) {
+      const uintptr_t base = AllocationOfLocked(words[i]);
+      if (base == 0) continue;
+      auto it = R().in_flight.find(base);
+      if (it == R().in_flight.end() || OrderedLocked(stream, it->second)) continue;
+      hazard = what + " on " + StreamName(stream) + " touches device memory " +
+               std::to_string(base) + " written on " + StreamName(it->second) +
+               " with nothing ordering the two (synchronize, or use one stream)";
+      ++R().counters.stream_hazards;
+    }
+  }
+  if (hazard.empty()) return true;
+  SetSticky(cudaErrorLaunchFailure, "stream hazard: " + hazard);
+  return false;
+}
+
+// A write into `p`'s allocation on `stream` is in flight until a synchronization. Ignores host
+// memory.
+void MarkInFlight(const void* p, cudaStream_t stream) {
+  std::lock_guard<std::mutex> l(R().mu);
+  if (const uintptr_t base = AllocationOfLocked(reinterpret_cast<uintptr_t>(p)); base != 0) {
+    R().in_flight[base] = stream;
+  }
+}
+
+// Work on `stream` (or, with all, every stream) has finished.
+void Synchronized(cudaStream_t stream, bool all) {
+  std::lock_guard<std::mutex> l(R().mu);
+  for (auto it = R().in_flight.begin(); it != R().in_flight.end();) {
+    it = all || it->second == stream ? R().in_flight.erase(it) : std::next(it);
+  }
 }
 
 bool StreamValid(cudaStream_t s) {
@@ -703,10 +770,18 @@ void SyncThreads() {
 }
 
 void Launch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-            const KernelBody& body) {
+            const KernelBody& body, const void* params, size_t param_bytes) {
   if (const cudaError_t s = Sticky(); s != cudaSuccess) {
     Fail(s);
     return;
+  }
+  {
+    std::vector<uintptr_t> words(param_bytes / sizeof(uintptr_t));
+    if (!words.empty()) std::memcpy(words.data(), params, words.size() * sizeof(uintptr_t));
+    if (StreamValid(stream) && !CheckStreamOrder(std::string("kernel ") + name, stream, words.data(), words.size())) {
+      Fail(cudaErrorLaunchFailure);
+      return;
+    }
   }
   auto refuse = [&](cudaError_t e, const std::string& why) {
     std::fprintf(stderr, "simt: launch of %s refused: %s\n", name, why.c_str());
@@ -838,6 +913,7 @@ void ResetDevice() {
   std::lock_guard<std::mutex> l(R().mu);
   R().sticky = cudaSuccess;
   R().fault.clear();
+  R().in_flight.clear();
   last_error = cudaSuccess;
 }
 
@@ -888,6 +964,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
 }
 cudaError_t cudaDeviceSynchronize() {
   SIMT_STICKY_RETURN();
+  simt::Synchronized(nullptr, true);
   return cudaSuccess;
 }
 cudaError_t cudaDeviceReset() {
@@ -999,6 +1076,7 @@ cudaError_t cudaFree(void* ptr) {
   }
   R().counters.bytes_in_use -= static_cast<int64_t>(it->second);
   ++R().counters.frees;
+  R().in_flight.erase(it->first);
   std::free(ptr);
   R().allocations.erase(it);
   return cudaSuccess;
@@ -1027,7 +1105,10 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                  src_dev ? "device memory" : "not (all) device memory");
     return Fail(cudaErrorInvalidValue);
   }
+  const uintptr_t touched[] = {reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src)};
+  if (!simt::CheckStreamOrder("a copy", stream, touched, 2)) return Fail(cudaErrorLaunchFailure);
   std::memmove(dst, src, bytes);
+  simt::MarkInFlight(dst, stream);
   std::lock_guard<std::mutex> l(R().mu);
   simt::Counters& c = R().counters;
   (kind == cudaMemcpyHostToDevice   ? c.bytes_h2d
@@ -1079,12 +1160,17 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   SIMT_STICKY_RETURN();
-  return simt::StreamValid(stream) ? cudaSuccess : Fail(cudaErrorInvalidResourceHandle);
+  if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  simt::Synchronized(stream, false);
+  return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   std::lock_guard<std::mutex> l(R().mu);
   if (stream == nullptr || R().streams.erase(stream) == 0)
     return Fail(cudaErrorInvalidResourceHandle);
+  for (auto it = R().in_flight.begin(); it != R().in_flight.end();) {
+    it = it->second == stream ? R().in_flight.erase(it) : std::next(it);
+  }
   delete stream;
   return cudaSuccess;
 }
@@ -1157,6 +1243,11 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_
   if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
   if (simt::Sticky() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+  const uintptr_t touched[] = {reinterpret_cast<uintptr_t>(A), reinterpret_cast<uintptr_t>(B),
+                               reinterpret_cast<uintptr_t>(C)};
+  if (!simt::CheckStreamOrder("cublasSgemm", handle->stream, touched, 3)) {
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   const float al = *alpha, be = *beta;
   for (int e = 0; e < batch; ++e) {
     const float* a = A + e * sa;
@@ -1200,6 +1291,7 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_
       }
     }
   }
+  simt::MarkInFlight(C, handle->stream);
   std::lock_guard<std::mutex> l(R().mu);
   R().counters.gemms += batch;
   R().counters.gemm_flops += int64_t{2} * m * n * k * batch;

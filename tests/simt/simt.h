@@ -30,6 +30,8 @@ struct Counters {
   int64_t gemm_flops = 0;        // 2*m*n*k summed
   int64_t bytes_h2d = 0, bytes_d2h = 0, bytes_d2d = 0;
   int64_t mallocs = 0, frees = 0;
+  int64_t stream_hazards = 0;    // device memory read or written on one stream while another
+                                 // stream's copy or GEMM into it is not ordered before (a fault)
   int64_t bytes_in_use = 0, peak_bytes_in_use = 0;
 };
 
@@ -42,6 +44,14 @@ int64_t MemoryLimit();
 void SetThreadMode(bool one_os_thread_per_cuda_thread);
 bool ThreadMode();
 void SetReverseBlocks(bool reverse);
+
+// Stream order: a copy (cudaMemcpy runs on the legacy stream) or GEMM output into an allocation is
+// "in flight on its stream" until that stream or the device is synchronized. A launch, GEMM or copy
+// on another stream that touches the allocation before then, where CUDA does not order the two
+// streams (a non-blocking stream and the legacy stream, or two created streams), is a stream
+// hazard: on a device it would read or write data not yet there. The emulator runs everything at
+// once, so it makes the hazard a fault. A kernel's touches are the device pointers found in its
+// parameters (scanned word by word, structs included).
 
 // The last kernel fault's description ("" when none), and clearing the sticky error it left.
 std::string LastFault();

@@ -319,6 +319,69 @@ TEST(SimtTest, SgemmHonoursTransposesAndLeadingDimensions) {
             CUBLAS_STATUS_NOT_INITIALIZED);
 }
 
+__global__ void DoubleKernel(float* p, int n) {
+  const int i = threadIdx.x;
+  if (i < n) p[i] *= 2.f;
+}
+struct Wrapped {
+  int n;
+  float* p;
+};
+__global__ void DoubleWrappedKernel(Wrapped w) {
+  const int i = threadIdx.x;
+  if (i < w.n) w.p[i] *= 2.f;
+}
+
+// Work on one stream touching memory another stream wrote, with nothing ordering the two, faults.
+TEST(SimtTest, StreamOrder) {
+  cudaStream_t work = nullptr, blocking = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&blocking), cudaSuccess);
+  const std::vector<float> host(32, 1.f);
+  float* d = Upload(host);  // cudaMemcpy: the legacy stream
+  const int64_t hazards = simt::GetCounters().stream_hazards;
+
+  // Legacy copy, then a kernel on a non-blocking stream: a hazard, seen through a struct too.
+  RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, work)(d, 32);
+  ExpectFault("stream hazard: kernel DoubleKernel on stream");
+  ASSERT_EQ(cudaMemcpy(d, host.data(), 32 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  RELGEN_LAUNCH(DoubleWrappedKernel, 1, 32, 0, work)(Wrapped{32, d});
+  ExpectFault("written on the legacy stream");
+  EXPECT_EQ(simt::GetCounters().stream_hazards, hazards + 2);
+
+  // Ordered: the legacy stream synchronized; a blocking stream; the same stream.
+  ASSERT_EQ(cudaMemcpy(d, host.data(), 32 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, blocking)(d, 32);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, work)(d, 32);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(d, host.data(), 32 * sizeof(float), cudaMemcpyHostToDevice, work), cudaSuccess);
+  RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, work)(d, 32);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(work), cudaSuccess);
+  EXPECT_EQ(Download(d, 32), std::vector<float>(32, 2.f));
+
+  // A GEMM's output on the work stream, read on the legacy stream before the work stream is
+  // synchronized.
+  cublasHandle_t h = nullptr;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasSetStream(h, work), CUBLAS_STATUS_SUCCESS);
+  float* a = Upload(std::vector<float>(4, 1.f));
+  float* c = Upload(std::vector<float>(4, 0.f));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const float one = 1.f, zero = 0.f;
+  ASSERT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &one, a, 2, a, 2, &zero, c, 2), CUBLAS_STATUS_SUCCESS);
+  std::vector<float> out(4);
+  EXPECT_EQ(cudaMemcpy(out.data(), c, 4 * sizeof(float), cudaMemcpyDeviceToHost), cudaErrorLaunchFailure);
+  ExpectFault("a copy on the legacy stream");
+  EXPECT_EQ(simt::GetCounters().stream_hazards, hazards + 3);
+  cublasDestroy(h);
+  for (float* p : {a, c, d}) cudaFree(p);
+  cudaStreamDestroy(work);
+  cudaStreamDestroy(blocking);
+}
+
 TEST(SimtTest, Counters) {
   simt::ResetCounters();
   int* d = Upload(std::vector<int>(8 * 64, 0));

@@ -71,8 +71,10 @@ T Shuffle(unsigned mask, T v, ShuffleKind kind, int param, int width) {
 
 using KernelBody = std::function<void()>;
 // Runs `body` once per thread of every block; errors go to the runtime's last/sticky error.
+// `params` (`param_bytes` long) are the kernel's parameters, scanned for device pointers to check
+// stream order (simt.h).
 void Launch(const char* name, dim3 grid, dim3 block, size_t dynamic_shared, cudaStream_t stream,
-            const KernelBody& body);
+            const KernelBody& body, const void* params, size_t param_bytes);
 
 template <class... P>
 struct Launcher {
@@ -90,7 +92,8 @@ struct Launcher {
     const std::tuple<std::decay_t<P>...> params(
         static_cast<std::decay_t<P>>(std::forward<A>(args))...);
     auto* k = kernel;
-    Launch(name, grid, block, smem, stream, [&params, k] { std::apply(k, params); });
+    Launch(name, grid, block, smem, stream, [&params, k] { std::apply(k, params); }, &params,
+           sizeof(params));
   }
 };
 template <class... P>
