@@ -73,8 +73,8 @@ int ActivationCode(cpu::Activation a) {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int device)
-      : model_(std::move(model)), kv_(kv), device_(device) {}
+  CudaBackend(std::shared_ptr<const Model> model, const CudaOptions& o)
+      : model_(std::move(model)), options_(o), kv_{o.block_size, o.num_blocks}, device_(o.device) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -108,6 +108,33 @@ class CudaBackend final : public Backend {
       // On the work stream: a plain cudaMemcpy runs on the legacy stream, which does not order the
       // non-blocking work stream's first kernels after the copy.
       RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, host, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    }
+    // The largest step's buffers now, before the pool takes what is left.
+    const StepShape largest = LargestStep();
+    if (absl::Status st = ReserveStep(largest); !st.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "device ", device_, ": the largest step the scheduler can form (", largest.tokens, " tokens, ",
+          options_.max_step_seqs, " sequences, keys up to ", largest.max_keys, ") needs ", StepBytes(largest) >> 20,
+          " MiB of buffers beside ", weight_bytes_ >> 20, " MiB of weights, and they do not fit (", st.message(),
+          "); lower --max_batch_tokens or --max_num_seqs, or use a device with more memory"));
+    }
+    const int64_t per_block = CudaKvBytesPerToken(c) * kv_.block_size;
+    if (kv_.num_blocks == 0) {
+      size_t free = 0, total = 0;
+      RELGEN_CUDA_RETURN(cudaMemGetInfo(&free, &total));
+      const int64_t usable = static_cast<int64_t>(free) - options_.headroom_bytes;
+      const int64_t blocks =
+          usable <= 0 ? 0 : static_cast<int64_t>(options_.kv_memory_fraction * static_cast<double>(usable)) / per_block;
+      const int64_t need = (c.max_seq_len + kv_.block_size - 1) / kv_.block_size;
+      if (blocks < need) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "device ", device_, ": ", free >> 20, " MiB free after the weights (", weight_bytes_ >> 20,
+            " MiB) and the largest step's buffers (", StepBytes(largest) >> 20, " MiB); ",
+            options_.kv_memory_fraction, " of it less ", options_.headroom_bytes >> 20, " MiB of headroom holds ",
+            blocks * kv_.block_size, " KV tokens, fewer than one sequence of max_seq_len ", c.max_seq_len,
+            " (", per_block / kv_.block_size, " bytes per token)"));
+      }
+      kv_.num_blocks = static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
     }
     const int64_t per_layer = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim;
     for (int l = 0; l < c.n_layers; ++l) {
@@ -153,6 +180,43 @@ class CudaBackend final : public Backend {
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
 
  private:
+  // What a step's buffers are sized by.
+  struct StepShape {
+    int64_t tokens = 0, kept = 0, tables = 0;
+    int max_keys = 1;
+  };
+  StepShape LargestStep() const {
+    const ModelConfig& c = model_->config();
+    StepShape s;
+    s.tokens = options_.max_step_tokens;
+    s.kept = std::min(options_.max_step_tokens, options_.max_step_seqs);
+    s.tables = int64_t{options_.max_step_seqs} * ((c.max_seq_len + kv_.block_size - 1) / kv_.block_size);
+    s.max_keys = c.max_seq_len;
+    return s;
+  }
+  // Each step buffer and its size in elements (meta: int32, the rest: float).
+  std::vector<std::pair<DeviceBuffer*, int64_t>> StepBuffers(const StepShape& s) {
+    const ModelConfig& c = model_->config();
+    const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
+    return {{&meta_, 3 * s.tokens + s.tables + s.kept},
+            {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&q_, s.tokens * w}, {&k_, s.tokens * w},
+            {&v_, s.tokens * w}, {&att_, s.tokens * w}, {&tmp_, s.tokens * d}, {&up_, s.tokens * f},
+            {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
+            {&work_, cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim, s.max_keys,
+                                              kKeysPerSplit)}};
+  }
+  int64_t StepBytes(const StepShape& s) {
+    int64_t bytes = 0;
+    for (auto [buf, n] : StepBuffers(s)) bytes += std::max<int64_t>(n, 1) * 4;
+    return bytes;
+  }
+  absl::Status ReserveStep(const StepShape& s) {
+    for (auto [buf, n] : StepBuffers(s)) {
+      if (absl::Status st = buf->Reserve(std::max<int64_t>(n, 1) * 4); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
   const float* Host(const std::string& name) const;
   const float* W(const std::string& name) const {
     auto it = weights_.find(name);
@@ -193,6 +257,7 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<const Model> model_;
+  CudaOptions options_;
   KvCacheConfig kv_;
   int device_;
   cudaStream_t stream_ = nullptr;
@@ -261,17 +326,12 @@ absl::Status CudaBackend::Forward(absl::Span<const SequenceStep> steps, std::vec
   // Metadata in one upload: tokens | position | table_offset | tables | keep.
   std::vector<int32_t> meta;
   for (const auto* v : {&tokens, &position, &table_offset, &tables, &keep}) meta.insert(meta.end(), v->begin(), v->end());
-  absl::Status st = meta_.Reserve(meta.size() * sizeof(int32_t));
-  for (auto [buf, floats] : {std::pair{&x_, int64_t{total} * d}, std::pair{&h_, int64_t{total} * d},
-                             std::pair{&q_, int64_t{total} * w}, std::pair{&k_, int64_t{total} * w},
-                             std::pair{&v_, int64_t{total} * w}, std::pair{&att_, int64_t{total} * w},
-                             std::pair{&tmp_, int64_t{total} * d}, std::pair{&up_, int64_t{total} * f},
-                             std::pair{&gate_, int64_t{total} * f},
-                             std::pair{&logits_d_, int64_t{kept} * c.vocab_size},
-                             std::pair{&work_, cuda::AttentionWorkspace(total, c.n_heads, c.head_dim, max_keys, kKeysPerSplit)}}) {
-    if (st.ok()) st = buf->Reserve(std::max<int64_t>(floats, 1) * sizeof(float));
-  }
-  if (!st.ok()) return st;
+  StepShape shape;
+  shape.tokens = total;
+  shape.kept = kept;
+  shape.tables = static_cast<int64_t>(tables.size());
+  shape.max_keys = max_keys;
+  if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, meta.data(), meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   const int32_t* d_tokens = meta_.i();
   cuda::Rows rows;
@@ -353,16 +413,25 @@ int64_t CudaKvBytesPerToken(const ModelConfig& c) {
   return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * static_cast<int64_t>(sizeof(float));
 }
 
-absl::StatusOr<int64_t> CudaFreeBytes(int device) {
-  RELGEN_CUDA_RETURN(cudaSetDevice(device));
-  size_t free = 0, total = 0;
-  RELGEN_CUDA_RETURN(cudaMemGetInfo(&free, &total));
-  return static_cast<int64_t>(free);
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int device) {
+  if (kv.num_blocks < 1) return absl::InvalidArgumentError("KV cache needs blocks");
+  CudaOptions o;
+  o.device = device;
+  o.block_size = kv.block_size;
+  o.num_blocks = kv.num_blocks;
+  return NewCudaBackend(std::move(model), o);
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int device) {
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, const CudaOptions& o) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
-  if (kv.block_size < 1 || kv.num_blocks < 1) return absl::InvalidArgumentError("KV cache needs blocks");
+  const int device = o.device;
+  if (o.block_size < 1 || o.num_blocks < 0) return absl::InvalidArgumentError("KV cache needs blocks");
+  if (o.num_blocks == 0 && !(o.kv_memory_fraction > 0.0 && o.kv_memory_fraction <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("KV memory fraction ", o.kv_memory_fraction, "; allowed (0, 1]"));
+  }
+  if (o.max_step_tokens < 1 || o.max_step_seqs < 1) {
+    return absl::InvalidArgumentError("the largest step needs at least one token and one sequence");
+  }
   if (model->config().head_dim > 256) {
     return absl::InvalidArgumentError(absl::StrCat("head_dim ", model->config().head_dim,
                                                    ": the CUDA attention kernel supports up to 256"));
@@ -370,7 +439,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
   if (device < 0 || device >= CudaDeviceCount()) {
     return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not present (", CudaDeviceCount(), " found)"));
   }
-  auto b = std::make_unique<CudaBackend>(std::move(model), kv, device);
+  auto b = std::make_unique<CudaBackend>(std::move(model), o);
   if (auto s = b->Init(); !s.ok()) return s;
   return std::unique_ptr<Backend>(std::move(b));
 }

@@ -17,9 +17,23 @@ int CudaDeviceCount();
 // Bytes of device KV pool per token (every layer's K and V, float32).
 int64_t CudaKvBytesPerToken(const ModelConfig& config);
 
-// Free device memory after the model's weights would be loaded, for sizing the KV pool.
-absl::StatusOr<int64_t> CudaFreeBytes(int device);
+struct CudaOptions {
+  int device = 0;
+  int block_size = 16;
+  // The KV pool: this many blocks, or with 0, `kv_memory_fraction` of the device memory free after
+  // the weights, the step buffers and `headroom_bytes`.
+  int num_blocks = 0;
+  double kv_memory_fraction = 0.9;
+  // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): its buffers
+  // are allocated at start, so no step can run out of device memory later.
+  int max_step_tokens = 512;
+  int max_step_seqs = 64;
+  // Left free for cuBLAS's workspace and the allocator's slack.
+  int64_t headroom_bytes = int64_t{64} << 20;
+};
 
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, const CudaOptions& options);
+// A pool of kv.num_blocks blocks, the default step limits.
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv,
                                                         int device = 0);
 

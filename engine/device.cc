@@ -1,5 +1,7 @@
 #include "engine/device.h"
 
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -30,18 +32,24 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
       return absl::UnavailableError(absl::StrCat("--device ", o.device, ": ", CudaDeviceCount(),
                                                  " CUDA devices are present; use --device cpu or auto"));
     }
-    int64_t blocks = (o.kv_cache_tokens + o.kv_block_size - 1) / o.kv_block_size;
-    if (o.kv_cache_tokens == 0) {
-      auto free = CudaFreeBytes(index);
-      if (!free.ok()) return free.status();
-      const int64_t available = *free - model->float_bytes();
-      blocks = static_cast<int64_t>(o.kv_cache_memory_fraction * available) / (CudaKvBytesPerToken(c) * o.kv_block_size);
+    CudaOptions co;
+    co.device = index;
+    co.block_size = o.kv_block_size;
+    co.kv_memory_fraction = o.kv_cache_memory_fraction;
+    co.max_step_tokens = o.max_step_tokens;
+    co.max_step_seqs = o.max_step_seqs;
+    if (o.kv_block_size < 1) return absl::InvalidArgumentError("KV block size must be >= 1");
+    if (o.kv_cache_tokens > 0) {
+      const int64_t blocks = (o.kv_cache_tokens + o.kv_block_size - 1) / o.kv_block_size;
+      if (blocks * o.kv_block_size < c.max_seq_len) {
+        return absl::InvalidArgumentError(absl::StrCat("a device KV pool of ", blocks * o.kv_block_size,
+                                                       " tokens cannot hold one sequence of max_seq_len ", c.max_seq_len));
+      }
+      co.num_blocks = static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
     }
-    if (blocks * o.kv_block_size < c.max_seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat("a device KV pool of ", blocks * o.kv_block_size,
-                                                     " tokens cannot hold one sequence of max_seq_len ", c.max_seq_len));
-    }
-    return NewCudaBackend(std::move(model), KvCacheConfig{o.kv_block_size, static_cast<int>(blocks)}, index);
+    // With no token count the backend sizes the pool from what is free once the weights and the
+    // largest step's buffers are on the device.
+    return NewCudaBackend(std::move(model), co);
   }
 #else
   if (device == "cuda") {

@@ -16,6 +16,10 @@ struct DeviceOptions {
   double kv_cache_memory_fraction = 0.2;
   int kv_block_size = 16;
   int threads = 0;  // CPU threads
+  // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): a device
+  // backend allocates its buffers at start.
+  int max_step_tokens = 512;
+  int max_step_seqs = 64;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& options);

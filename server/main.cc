@@ -51,7 +51,8 @@ ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_waiting, 1024, "queued requests at most; beyond, RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_cache_tokens, 0, "KV cache capacity in tokens (0: use --kv_cache_memory_fraction)");
-ABSL_FLAG(double, kv_cache_memory_fraction, 0.2, "KV cache size as a fraction of available memory");
+ABSL_FLAG(double, kv_cache_memory_fraction, 0.2, "KV cache size as a fraction of available memory (on a GPU: of the memory free after the weights, "
+          "the largest step's buffers and 64 MiB of headroom)");
 ABSL_FLAG(int32_t, kv_block_size, 16, "tokens per KV cache block");
 ABSL_FLAG(int32_t, max_new_tokens, 4096, "largest max_new_tokens a request may ask for");
 ABSL_FLAG(int32_t, default_max_new_tokens, 128, "max_new_tokens when a request does not set it");
@@ -279,6 +280,8 @@ int Main(int argc, char** argv) {
   dev.kv_cache_memory_fraction = o.kv_cache_memory_fraction;
   dev.kv_block_size = o.kv_block_size;
   dev.threads = o.threads;
+  dev.max_step_tokens = o.max_batch_tokens;
+  dev.max_step_seqs = o.max_num_seqs;
   auto backend = NewBackend(*model, dev);
   if (!backend.ok()) return Fail(std::string(backend.status().message()));
   const KvCacheConfig kv = (*backend)->kv_cache();

@@ -390,9 +390,13 @@ TEST(CudaEmulatorTest, OutOfDeviceMemory) {
   ASSERT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
   EXPECT_EQ(static_cast<int64_t>(total), limit);
 
-  // A Forward that cannot allocate its activations fails alone: the next one runs (the failed
-  // allocation's error must not come back from the next kernel launch's check).
-  auto small = NewCudaBackend(model, KvCacheConfig{16, 8});
+  // A Forward beyond the largest step that cannot allocate its activations fails alone: the next
+  // one runs (the failed allocation's error must not come back from the next kernel launch's check).
+  CudaOptions so;
+  so.num_blocks = 8;
+  so.max_step_tokens = 16;
+  so.max_step_seqs = 1;
+  auto small = NewCudaBackend(model, so);
   ASSERT_TRUE(small.ok()) << small.status();
   const std::vector<int32_t> tokens(100, 7), table = {0, 1, 2, 3, 4, 5, 6};
   SequenceStep s{tokens, 0, table, false};
@@ -419,6 +423,50 @@ TEST(CudaEmulatorTest, FailedStartFreesWhatItAllocated) {
   ASSERT_FALSE(backend.ok());
   EXPECT_NE(backend.status().message().find("out of memory"), std::string::npos) << backend.status();
   EXPECT_EQ(simt::GetCounters().bytes_in_use, before) << "bytes left allocated by a failed start";
+}
+
+// A pool sized by memory fraction leaves the largest step the scheduler forms its room: here the
+// pool takes 98% of a small device, and a step of max_step_tokens tokens still runs.
+TEST(CudaEmulatorTest, PoolByFractionLeavesRoomForTheLargestStep) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const int64_t limit = simt::MemoryLimit();
+  const int64_t before = simt::GetCounters().bytes_in_use;
+  CudaOptions o;
+  o.kv_memory_fraction = 0.98;
+  o.max_step_tokens = 96;
+  o.max_step_seqs = 4;
+  o.headroom_bytes = 256 << 10;
+  const int64_t room = 4 << 20;  // beside the weights
+  simt::SetMemoryLimit(before + model->float_bytes() + room);
+  {
+    auto backend = NewCudaBackend(model, o);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    const BackendMemory m = (*backend)->memory();
+    EXPECT_GT(m.activations, 0);
+    // The pool has what the step buffers and the headroom leave, to within the fraction and a block.
+    EXPECT_GE(m.kv_cache, static_cast<int64_t>(0.97 * (room - m.activations - o.headroom_bytes)));
+    EXPECT_LE(m.weights + m.activations + m.kv_cache + o.headroom_bytes, room + model->float_bytes());
+    const std::vector<int32_t> tokens(o.max_step_tokens, 7);
+    std::vector<int32_t> table;
+    for (int b = 0; b * o.block_size < o.max_step_tokens; ++b) table.push_back(b);
+    SequenceStep s{tokens, 0, table, false};
+    std::vector<float> logits;
+    const absl::Status st = (*backend)->Forward({&s, 1}, &logits);
+    EXPECT_TRUE(st.ok()) << st;
+    EXPECT_EQ((*backend)->memory().activations, m.activations) << "a step grew the buffers";
+  }
+  // Where the weights and the largest step do not fit, the start fails and says why.
+  simt::SetMemoryLimit(before + model->float_bytes() + (64 << 10));
+  auto tight = NewCudaBackend(model, o);
+  simt::SetMemoryLimit(limit);
+  ASSERT_FALSE(tight.ok());
+  EXPECT_EQ(tight.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(tight.status().message().find("the largest step the scheduler can form (96 tokens, 4 sequences"),
+            std::string::npos)
+      << tight.status();
+  EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
+  o.kv_memory_fraction = 1.5;
+  EXPECT_EQ(NewCudaBackend(model, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The weights are copied before the first forward reads them: the copies and the forward are on
