@@ -49,6 +49,9 @@ class Backend {
   // writes logits [rows, vocab_size] to `logits`, rows in step order (all tokens or last only).
   // A prompt, a chunk of a prompt and a single decode token are all steps.
   virtual absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) = 0;
+  // Non-OK once the device can run nothing more (a GPU's asynchronous fault leaves its context
+  // broken until the process ends): every later Forward would fail. Asked after a failed Forward.
+  virtual absl::Status Broken() const { return absl::OkStatus(); }
 };
 
 }  // namespace relgen

@@ -177,9 +177,23 @@ class CudaBackend final : public Backend {
     return m;
   }
 
-  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
+  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override {
+    if (!broken_.ok()) return broken_;
+    absl::Status st = RunSteps(steps, logits);
+    if (!st.ok()) {
+      // An error the device keeps (an asynchronous fault) comes back from every later call; an
+      // out-of-memory or a refused launch does not.
+      cudaGetLastError();
+      if (const cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+        broken_ = absl::InternalError(absl::StrCat(device(), ": ", cudaGetErrorString(e)));
+      }
+    }
+    return st;
+  }
+  absl::Status Broken() const override { return broken_; }
 
  private:
+  absl::Status RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits);
   // What a step's buffers are sized by.
   struct StepShape {
     int64_t tokens = 0, kept = 0, tables = 0;
@@ -267,6 +281,7 @@ class CudaBackend final : public Backend {
   int32_t* t5_table_ = nullptr;
   float* alibi_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
+  absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, work_, logits_d_, meta_;
 };
 
@@ -301,7 +316,7 @@ const float* CudaBackend::Host(const std::string& name) const {
   return it == by_name.end() ? nullptr : it->second;
 }
 
-absl::Status CudaBackend::Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
+absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
   const ModelConfig& c = model_->config();
   RELGEN_CUDA_RETURN(cudaSetDevice(device_));
   // Host-side metadata: tokens, each row's position and block-table offset, rows to keep.

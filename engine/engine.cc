@@ -196,6 +196,7 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
   std::shared_ptr<RequestHandle> handle = s->handle;
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_) return absl::UnavailableError("the engine is shut down");
+  if (!failure_.ok()) return failure_;
   if (queued_ >= config_.max_waiting) {
     return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", config_.max_waiting, " requests waiting)"));
   }
@@ -205,6 +206,11 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
   inbox_.push_back(std::move(s));
   cv_.notify_all();
   return handle;
+}
+
+absl::Status Engine::Failure() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return failure_;
 }
 
 EngineStats Engine::Stats() const {
@@ -299,6 +305,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   if (config_.observer) {
     RequestSummary sum;
     sum.reason = reason;
+    sum.code = o.status.code();
     sum.prompt_tokens = o.prompt_tokens;
     sum.generated_tokens = o.generated_tokens;
     sum.queue = o.timing.queue;
@@ -432,13 +439,24 @@ void Engine::Step() {
     step_tokens += n;
     if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) prefill_tokens += n;
   }
+  absl::Status broken;
   if (!steps.empty()) {
-    const absl::Status st = backend_->Forward(steps, &logits_);
+    absl::Status st = backend_->Forward(steps, &logits_);
+    if (!st.ok()) broken = backend_->Broken();
+    if (!st.ok()) {
+      std::fprintf(stderr, "relgen: forward failed: %s%s\n", std::string(st.message()).c_str(),
+                   broken.ok() ? "" : " (the device is broken)");
+    }
+    if (!broken.ok()) {
+      // Failed before anyone hears of it: a client that sees its request fail finds Failure() set.
+      st = absl::UnavailableError(absl::StrCat("the device failed (", broken.message(), "); the server must restart"));
+      std::unique_lock<std::mutex> lock(mu_);
+      failure_ = st;
+    }
     const int vocab = model_->config().vocab_size;
     for (size_t i = 0; i < batch.size(); ++i) {
       Seq& s = *batch[i];
       if (!st.ok()) {
-        std::fprintf(stderr, "relgen: forward failed: %s\n", std::string(st.message()).c_str());
         Finish(s, FinishReason::kError, st);
         continue;
       }
@@ -448,6 +466,21 @@ void Engine::Step() {
                                     s.tokens, s.generated, &sample_scratch_);
       EmitToken(s, r);
     }
+  }
+  if (!broken.ok()) {
+    // Nothing can run any more: everything outstanding fails now, and Submit refuses from here on.
+    std::deque<std::unique_ptr<Seq>> inbox;
+    absl::Status failure;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      failure = failure_;
+      inbox.swap(inbox_);
+    }
+    for (auto* q : {&inbox, &waiting_}) {
+      for (auto& s : *q) Finish(*s, FinishReason::kError, failure);
+      q->clear();
+    }
+    for (auto& s : running_) Finish(*s, FinishReason::kError, failure);
   }
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done; }),
                  running_.end());

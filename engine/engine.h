@@ -99,6 +99,7 @@ class RequestHandle {
 // What happened to a request, for metrics. Every submitted request finishes exactly once.
 struct RequestSummary {
   FinishReason reason = FinishReason::kNone;
+  absl::StatusCode code = absl::StatusCode::kOk;  // of the final status (kError, kCancelled)
   int prompt_tokens = 0;
   int generated_tokens = 0;
   absl::Duration queue;  // submit -> first scheduled (submit -> finish if never scheduled)
@@ -165,6 +166,10 @@ class Engine {
   // Shutdown still finishes everything while paused.
   void Pause();
   void Resume();
+  // Non-OK (UNAVAILABLE, naming the fault) once the backend reported itself broken: every request
+  // then outstanding has failed with it, and every later Submit does. The engine cannot recover;
+  // the process must restart.
+  absl::Status Failure() const;
 
   const Model& model() const { return *model_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -185,12 +190,13 @@ class Engine {
   std::shared_ptr<const Tokenizer> tokenizer_;
   EngineConfig config_;
 
-  mutable std::mutex mu_;  // guards inbox_, stop_, queued_, stats_
+  mutable std::mutex mu_;  // guards inbox_, stop_, failure_, queued_, stats_
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Seq>> inbox_;
   bool stop_ = false;
   bool paused_ = false;
   bool in_step_ = false;  // the engine thread is between TakeInbox and the end of Step
+  absl::Status failure_;
   int queued_ = 0;  // inbox + waiting
   EngineStats stats_;
 

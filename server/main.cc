@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -59,6 +60,9 @@ ABSL_FLAG(int32_t, default_max_new_tokens, 128, "max_new_tokens when a request d
 ABSL_FLAG(int64_t, max_prompt_bytes, 256 << 10, "largest text prompt in bytes (INVALID_ARGUMENT beyond)");
 ABSL_FLAG(int64_t, max_message_bytes, 4 << 20, "largest gRPC message received (RESOURCE_EXHAUSTED beyond)");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM, time given to requests in flight");
+ABSL_FLAG(double, device_failure_exit_delay_seconds, 5,
+          "after the device fails (every request then fails UNAVAILABLE): seconds to go on answering, health "
+          "NOT_SERVING, before exiting with status 3 so the orchestrator restarts the server");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -143,13 +147,14 @@ std::atomic<int> g_stop_signal{0};
 void OnStopSignal(int sig) { g_stop_signal.store(sig, std::memory_order_relaxed); }
 
 // Main blocks the stop signals and takes them here; the short timeout notices one the handler caught
-// on another thread.
-int WaitForStopSignal(const sigset_t& signals) {
+// on another thread. Returns the signal, or 0 once `give_up` (checked each tick) says so.
+int WaitForStopSignal(const sigset_t& signals, const std::function<bool()>& give_up) {
   const timespec tick = {0, 100 * 1000 * 1000};
   while (true) {
     const int sig = sigtimedwait(&signals, nullptr, &tick);
     if (sig > 0) return sig;
     if (const int caught = g_stop_signal.load(std::memory_order_relaxed); caught != 0) return caught;
+    if (give_up()) return 0;
   }
 }
 
@@ -310,10 +315,24 @@ int Main(int argc, char** argv) {
               o.auth_token.empty() ? "" : " (bearer token)", WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
 
-  const int sig = WaitForStopSignal(signals);
-  std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-              service.in_flight(), o.drain_grace_seconds);
-  std::fflush(stdout);
+  Engine* const e = engine->get();
+  int sig = WaitForStopSignal(signals, [e] { return !e->Failure().ok(); });
+  const bool device_failed = sig == 0;
+  if (device_failed) {
+    // Nothing can be served any more. Say so where load balancers look, for a while, then exit.
+    server->GetHealthCheckService()->SetServingStatus(false);
+    metrics->SetServing(false);
+    const double delay = absl::GetFlag(FLAGS_device_failure_exit_delay_seconds);
+    std::printf("relgen-server: %s; health NOT_SERVING, exiting with status 3 in %.0f s\n",
+                std::string(e->Failure().message()).c_str(), delay);
+    std::fflush(stdout);
+    const absl::Time exit_at = absl::Now() + absl::Seconds(delay);
+    sig = WaitForStopSignal(signals, [exit_at] { return absl::Now() >= exit_at; });
+  } else {
+    std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                service.in_flight(), o.drain_grace_seconds);
+    std::fflush(stdout);
+  }
   server->GetHealthCheckService()->SetServingStatus(false);
   metrics->SetServing(false);
   service.StartDraining();
@@ -332,7 +351,7 @@ int Main(int argc, char** argv) {
   std::printf("relgen-server: stopped (%d requests cut at the grace period; drain %.2f s, shutdown %.2f s)\n", left,
               absl::ToDoubleSeconds(drained - (give_up - absl::Seconds(o.drain_grace_seconds))),
               absl::ToDoubleSeconds(absl::Now() - drained));
-  return 0;
+  return device_failed ? 3 : 0;
 }
 
 }  // namespace

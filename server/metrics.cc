@@ -156,7 +156,7 @@ void Metrics::OnToken(absl::Duration since_previous) {
 
 void Metrics::OnFinished(const RequestSummary& s) {
   requests_->Add({{"finish_reason", std::string(FinishReasonName(s.reason))}}).Increment();
-  if (s.reason == FinishReason::kError) errors_->Add({{"code", "INTERNAL"}}).Increment();
+  // Errors are booked by code where the call is answered (OnRefused), engine errors included.
   prompt_tokens_->Increment(s.prompt_tokens);
   prompt_tokens_hist_->Observe(s.prompt_tokens);
   generation_tokens_hist_->Observe(s.generated_tokens);

@@ -260,8 +260,8 @@ grpc::Status FinalStatus(const Output& o) {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(o.status.message()));
       }
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-    default:
-      return grpc::Status(grpc::StatusCode::INTERNAL, std::string(o.status.message()));
+    default:  // kError: INTERNAL, or UNAVAILABLE once the device failed
+      return grpc::Status(ToGrpc(o.status.code()), std::string(o.status.message()));
   }
 }
 

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -268,6 +270,40 @@ TEST(CudaRelposTest, DeviceMatchesHost) {
 
 // The row kernels (block reductions through shared memory and warp shuffles, elementwise ones)
 // against their CPU twins, with a width that is not a multiple of the block.
+// cuda::WriteKv lays the paged pool out as cpu::KvView documents ([num_blocks, n_heads, block_size,
+// head_dim] through a shuffled block table), element for element: the attention kernel reads through
+// the same page walk, so only the layout itself shows a slot shifted inside a page.
+TEST(CudaKernelsTest, WriteKvMatchesTheCpuPoolLayout) {
+  REQUIRE_GPU();
+  const int heads = 2, hd = 8, width = heads * hd, len = 23, bs = 5, nblocks = (len + bs - 1) / bs + 2;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(size_t{len} * width), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  std::vector<int32_t> table(nblocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  const size_t pool = size_t{static_cast<size_t>(nblocks)} * heads * bs * hd;
+  std::vector<float> kwant(pool, NAN), vwant(pool, NAN);
+  cpu::KvView view{kwant.data(), vwant.data(), table.data(), bs, heads, hd};
+  cpu::WriteKv(view, k.data(), v.data(), 0, len);
+
+  std::vector<int32_t> position(len), offset(len, 0);
+  std::iota(position.begin(), position.end(), 0);
+  cuda::Rows r{len, Upload(position), Upload(offset), Upload(table)};
+  cuda::KvPool p{Upload(std::vector<float>(pool, NAN)), Upload(std::vector<float>(pool, NAN)), bs, heads, hd};
+  ASSERT_EQ(cuda::WriteKv(p, r, Upload(k), Upload(v), nullptr), cudaSuccess);
+  std::vector<float> kgot(pool), vgot(pool);
+  ASSERT_EQ(cudaMemcpy(kgot.data(), p.k, pool * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(vgot.data(), p.v, pool * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t i = 0; i < pool; ++i) {
+    ASSERT_TRUE(std::isnan(kwant[i]) ? std::isnan(kgot[i]) : kgot[i] == kwant[i]) << "K pool element " << i;
+    ASSERT_TRUE(std::isnan(vwant[i]) ? std::isnan(vgot[i]) : vgot[i] == vwant[i]) << "V pool element " << i;
+  }
+  for (void* d : {static_cast<void*>(p.k), static_cast<void*>(p.v)}) cudaFree(d);
+}
+
 TEST(CudaKernelsTest, RowKernelsMatchCpuTwins) {
   REQUIRE_GPU();
   const int rows = 5, dim = 300;
@@ -405,6 +441,7 @@ TEST(CudaEmulatorTest, OutOfDeviceMemory) {
   const absl::Status failed = (*small)->Forward({&s, 1}, &logits);
   simt::SetMemoryLimit(limit);
   EXPECT_NE(failed.message().find("out of memory"), std::string::npos) << failed;
+  EXPECT_TRUE((*small)->Broken().ok()) << "out of memory is not a broken device";
   const absl::Status next = (*small)->Forward({&s, 1}, &logits);
   EXPECT_TRUE(next.ok()) << next;
 }
@@ -467,6 +504,56 @@ TEST(CudaEmulatorTest, PoolByFractionLeavesRoomForTheLargestStep) {
   EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
   o.kv_memory_fraction = 1.5;
   EXPECT_EQ(NewCudaBackend(model, o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A fault the device keeps (as a GPU keeps an asynchronous fault) breaks the backend for good; an
+// out-of-memory does not (OutOfDeviceMemory).
+TEST(CudaEmulatorTest, DeviceFaultBreaksTheBackend) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  auto backend = NewCudaBackend(model, KvCacheConfig{16, 8});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const std::vector<int32_t> tokens = {1, 2, 3}, table = {0};
+  SequenceStep s{tokens, 0, table, false};
+  std::vector<float> logits;
+  ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+  EXPECT_TRUE((*backend)->Broken().ok());
+  simt::FaultAtLaunch(1);
+  EXPECT_FALSE((*backend)->Forward({&s, 1}, &logits).ok());
+  EXPECT_NE((*backend)->Broken().message().find("an illegal memory access"), std::string::npos)
+      << (*backend)->Broken();
+  EXPECT_FALSE((*backend)->Forward({&s, 1}, &logits).ok());
+  simt::ResetDevice();
+}
+
+// When the device breaks, the engine fails everything outstanding UNAVAILABLE, naming the fault,
+// and refuses new work: it cannot recover, the process must restart.
+TEST(CudaEngineTest, DeviceFaultFailsEverythingUnavailable) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  auto engine = *Engine::Create(model, *NewCudaBackend(model, KvCacheConfig{16, 64}), NewByteTokenizer(), EngineConfig{});
+  auto final_of = [](RequestHandle& h) {
+    Output o, last;
+    while (h.Next(&o)) last = o;
+    return last;
+  };
+  Request r;
+  r.prompt = {1, 2, 3};
+  r.stop.max_new_tokens = 2;
+  r.stop.ignore_eos = true;
+  r.sampling.temperature = 0;
+  ASSERT_TRUE(final_of(**engine->Submit(r)).status.ok());
+  engine->Pause();  // the next step takes all three at once, and faults on its first kernel
+  std::vector<std::shared_ptr<RequestHandle>> hs;
+  for (int i = 0; i < 3; ++i) hs.push_back(*engine->Submit(r));
+  simt::FaultAtLaunch(1);
+  engine->Resume();
+  for (auto& h : hs) {
+    const Output o = final_of(*h);
+    EXPECT_EQ(o.status.code(), absl::StatusCode::kUnavailable) << o.status;
+    EXPECT_NE(o.status.message().find("the device failed"), std::string::npos) << o.status;
+  }
+  EXPECT_EQ(engine->Failure().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(engine->Submit(r).status().code(), absl::StatusCode::kUnavailable);
+  simt::ResetDevice();
 }
 
 // The weights are copied before the first forward reads them: the copies and the forward are on

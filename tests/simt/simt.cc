@@ -95,6 +95,8 @@ struct Runtime {
   std::string fault;
   std::atomic<bool> thread_mode{false};
   std::atomic<bool> reverse{false};
+  int64_t launch_attempts = 0;  // every launch that reached the device
+  int64_t fault_at = 0;         // the launch attempt that faults (0: none)
   std::mutex launch_mu;  // one kernel at a time in the process (static __shared__ is per kernel)
 
   Runtime() {
@@ -102,6 +104,9 @@ struct Runtime {
     reverse = EnvFlag("RELGEN_SIMT_REVERSE_BLOCKS");
     if (const char* m = std::getenv("RELGEN_SIMT_MEMORY_BYTES"); m != nullptr && *m != '\0') {
       limit = std::strtoll(m, nullptr, 10);
+    }
+    if (const char* f = std::getenv("RELGEN_SIMT_FAULT_AT_LAUNCH"); f != nullptr && *f != '\0') {
+      fault_at = std::strtoll(f, nullptr, 10);
     }
   }
 };
@@ -770,18 +775,14 @@ void SyncThreads() {
 }
 
 void Launch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-            const KernelBody& body, const void* params, size_t param_bytes) {
+            const KernelBody& body, const uintptr_t* pointers, size_t num_pointers) {
   if (const cudaError_t s = Sticky(); s != cudaSuccess) {
     Fail(s);
     return;
   }
-  {
-    std::vector<uintptr_t> words(param_bytes / sizeof(uintptr_t));
-    if (!words.empty()) std::memcpy(words.data(), params, words.size() * sizeof(uintptr_t));
-    if (StreamValid(stream) && !CheckStreamOrder(std::string("kernel ") + name, stream, words.data(), words.size())) {
-      Fail(cudaErrorLaunchFailure);
-      return;
-    }
+  if (StreamValid(stream) && !CheckStreamOrder(std::string("kernel ") + name, stream, pointers, num_pointers)) {
+    Fail(cudaErrorLaunchFailure);
+    return;
   }
   auto refuse = [&](cudaError_t e, const std::string& why) {
     std::fprintf(stderr, "simt: launch of %s refused: %s\n", name, why.c_str());
@@ -813,6 +814,19 @@ void Launch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s
                   std::to_string(smem) +
                       " bytes of dynamic shared memory: above 48 KiB a kernel must opt in "
                       "with cudaFuncAttributeMaxDynamicSharedMemorySize");
+  }
+  {
+    bool inject = false;
+    {
+      std::lock_guard<std::mutex> l(R().mu);
+      inject = ++R().launch_attempts == R().fault_at;
+    }
+    if (inject) {
+      SetSticky(cudaErrorIllegalAddress,
+                std::string("kernel fault: ") + name + ": an illegal address (injected by FaultAtLaunch)");
+      Fail(cudaErrorIllegalAddress);
+      return;
+    }
   }
   std::lock_guard<std::mutex> launch_lock(R().launch_mu);
   const bool thread_mode = R().thread_mode;
@@ -901,6 +915,10 @@ void SetMemoryLimit(int64_t bytes) {
 int64_t MemoryLimit() {
   std::lock_guard<std::mutex> l(R().mu);
   return R().limit;
+}
+void FaultAtLaunch(int64_t n) {
+  std::lock_guard<std::mutex> l(R().mu);
+  R().fault_at = n <= 0 ? 0 : R().launch_attempts + n;
 }
 void SetThreadMode(bool on) { R().thread_mode = on; }
 bool ThreadMode() { return R().thread_mode; }

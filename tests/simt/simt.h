@@ -50,8 +50,13 @@ void SetReverseBlocks(bool reverse);
 // on another stream that touches the allocation before then, where CUDA does not order the two
 // streams (a non-blocking stream and the legacy stream, or two created streams), is a stream
 // hazard: on a device it would read or write data not yet there. The emulator runs everything at
-// once, so it makes the hazard a fault. A kernel's touches are the device pointers found in its
-// parameters (scanned word by word, structs included).
+// once, so it makes the hazard a fault. A kernel's touches are its pointer parameters (pointers
+// inside struct parameters are not seen).
+
+// Makes the n-th kernel launch from now (1: the next) fault as a device would asynchronously: the
+// error is sticky until ResetDevice. RELGEN_SIMT_FAULT_AT_LAUNCH=n does the same from process start
+// (for a whole server on the emulator). 0 cancels.
+void FaultAtLaunch(int64_t n);
 
 // The last kernel fault's description ("" when none), and clearing the sticky error it left.
 std::string LastFault();

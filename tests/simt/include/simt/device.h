@@ -14,6 +14,7 @@
 #include <functional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #define RELGEN_SIMT_EMULATOR 1
 
@@ -71,10 +72,14 @@ T Shuffle(unsigned mask, T v, ShuffleKind kind, int param, int width) {
 
 using KernelBody = std::function<void()>;
 // Runs `body` once per thread of every block; errors go to the runtime's last/sticky error.
-// `params` (`param_bytes` long) are the kernel's parameters, scanned for device pointers to check
-// stream order (simt.h).
+// `pointers` are the kernel's pointer parameters, for the stream-order check (simt.h).
 void Launch(const char* name, dim3 grid, dim3 block, size_t dynamic_shared, cudaStream_t stream,
-            const KernelBody& body, const void* params, size_t param_bytes);
+            const KernelBody& body, const uintptr_t* pointers, size_t num_pointers);
+
+template <class T>
+void AddIfPointer(std::vector<uintptr_t>* out, const T& v) {
+  if constexpr (std::is_pointer_v<T>) out->push_back(reinterpret_cast<uintptr_t>(v));
+}
 
 template <class... P>
 struct Launcher {
@@ -92,8 +97,11 @@ struct Launcher {
     const std::tuple<std::decay_t<P>...> params(
         static_cast<std::decay_t<P>>(std::forward<A>(args))...);
     auto* k = kernel;
-    Launch(name, grid, block, smem, stream, [&params, k] { std::apply(k, params); }, &params,
-           sizeof(params));
+    // Pointer parameters only: a struct's padding may hold stale pointers.
+    std::vector<uintptr_t> pointers;
+    std::apply([&pointers](const auto&... p) { (AddIfPointer(&pointers, p), ...); }, params);
+    Launch(name, grid, block, smem, stream, [&params, k] { std::apply(k, params); }, pointers.data(),
+           pointers.size());
   }
 };
 template <class... P>
