@@ -376,12 +376,14 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
 void Engine::Step() {
   const absl::Time now = absl::Now();
   // Cancelled and expired requests leave first; their blocks are free for this step.
+  // A passed deadline wins over a cancel: the client's own deadline also cancels its call, and how
+  // that cancel is told apart from the client's choice depends on timing (service.cc).
   auto reap = [&](Seq& s) {
-    if (s.handle->cancel_requested()) {
+    if (now >= s.req.deadline) {
+      Finish(s, FinishReason::kDeadline, absl::DeadlineExceededError("deadline passed"));
+    } else if (s.handle->cancel_requested()) {
       const FinishReason why = s.handle->cancel_reason();
       Finish(s, why, why == FinishReason::kDeadline ? absl::DeadlineExceededError("deadline passed") : absl::OkStatus());
-    } else if (now >= s.req.deadline) {
-      Finish(s, FinishReason::kDeadline, absl::DeadlineExceededError("deadline passed"));
     }
     return s.done;
   };

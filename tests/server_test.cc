@@ -247,13 +247,17 @@ TEST(ServerCancelTest, CancelAndDeadlineFreeBlocksAndAreCounted) {
   EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
 
   // A deadline that passes mid-generation: once the first tokens arrived the engine is held, so
-  // the request is still running, holding blocks, when its deadline comes.
+  // the request is still running, holding blocks, when its deadline comes. The engine resumes only
+  // once the server's copy of the deadline (received before the first token) has surely passed:
+  // the request then ends as a deadline however late the client's cancel reached the server.
   {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    const auto timeout = std::chrono::seconds(5);
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
     auto reader = stub->GenerateStream(&ctx, req);
     v1::GenerateStreamResponse msg;
     ASSERT_TRUE(reader->Read(&msg));
+    const auto server_deadline_by = std::chrono::steady_clock::now() + timeout;
     ASSERT_TRUE(testing::PauseEngine(server->metrics_port()));
     int tokens = msg.token_ids_size();
     while (reader->Read(&msg)) tokens += msg.token_ids_size();
@@ -261,6 +265,7 @@ TEST(ServerCancelTest, CancelAndDeadlineFreeBlocksAndAreCounted) {
     EXPECT_GT(tokens, 0);
     EXPECT_LT(tokens, 1800);
     EXPECT_GT(Metric(testing::ParseMetrics(testing::Scrape(server->metrics_port())), "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+    std::this_thread::sleep_until(server_deadline_by + std::chrono::milliseconds(100));
     ASSERT_TRUE(testing::ResumeEngine(server->metrics_port()));
   }
   m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
