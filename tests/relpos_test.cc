@@ -9,12 +9,6 @@
 #include "kernels/relpos.h"
 #include "kernels/relpos_host.h"
 
-#if RELGEN_WITH_CUDA
-#include <cuda_runtime.h>
-
-#include "kernels/cuda/relpos_device.h"
-#endif
-
 namespace relgen {
 namespace {
 
@@ -194,42 +188,6 @@ TEST(AlibiTest, SlopesForEightAndTwelveHeads) {
   for (int h = 0; h < 4; ++h) EXPECT_FLOAT_EQ(s12[8 + h], std::pow(2.0f, -(h + 0.5f)));
   EXPECT_FLOAT_EQ(relpos::AlibiBias(0.5f, 6), -3.0f);
 }
-
-#if RELGEN_WITH_CUDA
-// The device evaluates the same index functions as the host.
-TEST(RelposDeviceTest, DeviceMatchesHost) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
-  const int n = 70;
-  const std::vector<int32_t> t5 = relpos::T5BucketTable(32, 128, false);
-  struct Case {
-    relpos::Scheme scheme;
-    int param, block;
-  };
-  for (const Case& c : {Case{relpos::Scheme::kSkew, 20, 0}, Case{relpos::Scheme::kSkewLocal, 40, 16},
-                        Case{relpos::Scheme::kShaw, 5, 0}, Case{relpos::Scheme::kT5, 0, 0}}) {
-    std::vector<int32_t> got(n * n, -7);
-    ASSERT_EQ(cuda::RelIndices(c.scheme, c.param, c.block, n, t5.data(),
-                               static_cast<int>(t5.size()), got.data()),
-              cudaSuccess);
-    for (int i = 0; i < n; ++i) {
-      for (int j = 0; j < n; ++j) {
-        int want = -2;
-        if (j <= i && j >= relpos::WindowStart(c.scheme, i, c.block)) {
-          if (c.scheme == relpos::Scheme::kShaw) {
-            want = relpos::ShawRow(i, j, c.param);
-          } else if (c.scheme == relpos::Scheme::kT5) {
-            want = relpos::T5Bucket(j - i, 32, 128, false);
-          } else {
-            want = relpos::SkewRow(i - j, c.param);
-          }
-        }
-        ASSERT_EQ(got[i * n + j], want) << i << "," << j;
-      }
-    }
-  }
-}
-#endif
 
 }  // namespace
 }  // namespace relgen
