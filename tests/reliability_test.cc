@@ -384,7 +384,11 @@ TEST(SecurityTest, ConcurrentStreamsPerConnectionAreCapped) {
   args.SetInt("relgen.test.connection", 1);
   auto other = v1::GenerationService::NewStub(grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args));
   auto barrier = std::async(std::launch::async, [&] { return Stream(*other, TokenRequest({4, 5}, 3)); });
-  const auto held = WaitForMetrics(server->metrics_port(), [](const auto& m) { return Metric(m, "relgen_num_requests_waiting") >= 3; });
+  // Both in one predicate: a scrape collects the counters before the engine's gauges, so a request
+  // arriving in between is already waiting but not yet received in that sample.
+  const auto held = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_requests_received_total") >= 3 && Metric(m, "relgen_num_requests_waiting") >= 3;
+  });
   EXPECT_EQ(Metric(held, "relgen_requests_received_total"), 3)
       << "more streams reached the server on one connection than --max_concurrent_streams";
   EXPECT_EQ(Metric(held, "relgen_num_requests_waiting"), 3);
