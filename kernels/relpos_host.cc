@@ -91,21 +91,16 @@ std::vector<int32_t> T5BucketTable(int num_buckets, int max_distance, bool bidir
   return table;
 }
 
-std::vector<float> AlibiSlopes(int num_heads) {
-  auto power_of_two_slopes = [](int n) {
-    std::vector<double> s(n);
-    const double start = std::pow(2.0, -8.0 / n);
-    for (int i = 0; i < n; ++i) s[i] = std::pow(start, i + 1);
-    return s;
-  };
+std::vector<float> AlibiSlopes(int num_heads, double max_bias) {
   int p = 1;
-  while (p * 2 <= num_heads) p *= 2;
-  std::vector<double> slopes = power_of_two_slopes(p);
-  if (p != num_heads) {
-    const std::vector<double> extra = power_of_two_slopes(2 * p);
-    for (int i = 0; static_cast<int>(slopes.size()) < num_heads; i += 2) slopes.push_back(extra[i]);
-  }
-  return std::vector<float>(slopes.begin(), slopes.end());
+  while (p < num_heads) p *= 2;
+  std::vector<double> all(p);
+  for (int i = 0; i < p; ++i) all[i] = std::pow(2.0, -max_bias * (i + 1) / p);
+  std::vector<float> slopes;
+  if (p == num_heads) return std::vector<float>(all.begin(), all.end());
+  for (int i = 1; i < p; i += 2) slopes.push_back(static_cast<float>(all[i]));
+  for (int i = 0; static_cast<int>(slopes.size()) < num_heads; i += 2) slopes.push_back(static_cast<float>(all[i]));
+  return slopes;
 }
 
 }  // namespace relgen::relpos

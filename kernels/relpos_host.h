@@ -17,8 +17,10 @@ int T5Bucket(int relative_position, int num_buckets, int max_distance, bool bidi
 // Bucket of each causal distance 0..max_distance (every larger distance maps to the last entry).
 std::vector<int32_t> T5BucketTable(int num_buckets, int max_distance, bool bidirectional);
 
-// ALiBi slopes: for n a power of two, 2^(-8(h+1)/n); otherwise the slopes of the closest power of
-// two p below n followed by every other slope of 2p, as in the ALiBi paper's reference code.
-std::vector<float> AlibiSlopes(int num_heads);
+// ALiBi slopes: for n a power of two, 2^(-max_bias(h+1)/n); otherwise the slopes of the next power
+// of two P above n, the even-numbered ones (h = 2, 4, ...) first, then the odd, the first n kept.
+// With max_bias 8 that is the ALiBi paper's rule (the closest power of two p below n, then every
+// other slope of 2p: BLOOM's); MPT makes max_bias a config value (alibi_bias_max).
+std::vector<float> AlibiSlopes(int num_heads, double max_bias = 8.0);
 
 }  // namespace relgen::relpos

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "engine/engine.h"
+#include "engine/core/engine.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"

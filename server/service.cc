@@ -414,7 +414,12 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   rel->set_heads_share_table(c.rel.heads_share_table);
   rel->set_share_across_layers(c.rel.share_across_layers);
   rel->set_scale_with_qk(c.rel.scale_with_qk);
-  info->set_tokenizer(c.tokenizer == TokenizerKind::kByte ? "byte" : "sentencepiece");
+  if (c.rel.scheme == relpos::Scheme::kAlibi) rel->set_alibi_bias_max(c.rel.alibi_bias_max);
+  info->set_tokenizer(c.tokenizer == TokenizerKind::kByte            ? "byte"
+                      : c.tokenizer == TokenizerKind::kSentencePiece ? "sentencepiece"
+                                                                     : "bpe");
+  info->set_architecture(c.architecture);
+  info->set_source(c.source);
   info->set_bos_token_id(c.bos_token_id);
   info->set_eos_token_id(c.eos_token_id);
   info->set_num_parameters(engine->model().num_parameters());

@@ -13,7 +13,7 @@
 #include <set>
 #include <thread>
 
-#include "engine/engine.h"
+#include "engine/core/engine.h"
 #include "relgen/v1/generation.grpc.pb.h"
 #include "server/metrics.h"
 #include "server/options.h"

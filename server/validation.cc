@@ -27,7 +27,7 @@ grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c
         return Invalid("text", absl::StrCat(in.text().size(), " bytes; allowed at most ", options.max_prompt_bytes,
                                             " (--max_prompt_bytes)"));
       }
-      if (c.bos_token_id >= 0) out->prompt.push_back(c.bos_token_id);
+      if (c.bos_token_id >= 0 && c.bos_before_text) out->prompt.push_back(c.bos_token_id);
       for (int32_t t : tokenizer.Encode(in.text())) out->prompt.push_back(t);
       break;
     case v1::GenerateRequest::kTokenIds:

@@ -4,7 +4,7 @@
 
 #include <grpcpp/support/status.h>
 
-#include "engine/engine.h"
+#include "engine/core/engine.h"
 #include "relgen/v1/generation.pb.h"
 #include "server/options.h"
 

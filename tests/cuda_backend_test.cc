@@ -10,15 +10,16 @@
 #include <numeric>
 #include <random>
 
-#include "engine/cpu_backend.h"
-#include "engine/cuda_backend.h"
-#include "engine/device.h"
-#include "engine/engine.h"
+#include "engine/backends/cpu_backend.h"
+#include "engine/backends/cuda_backend.h"
+#include "engine/backends/device.h"
+#include "engine/core/engine.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/relpos_device.h"
 #include "kernels/relpos_host.h"
+#include "tests/hf_reference.h"
 #include "tests/test_util.h"
 #if RELGEN_SIMT_EMULATOR
 #include "tests/simt/simt.h"
@@ -199,6 +200,39 @@ TEST_P(CudaParityTest, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, CudaParityTest, ::testing::ValuesIn(Cases()), [](const auto& i) { return i.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaParityTest);
+
+// Hugging Face BLOOM and MPT checkpoints (embedding norm, fused QKV split at load, ALiBi slopes of
+// any head count and bias max, biasless norms) on the CUDA backend: transformers' logits at every
+// position and its greedy tokens.
+class CudaHfTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaHfTest, MatchesTransformers) {
+  REQUIRE_GPU();
+  for (const auto& c : testing::HfCases()) {
+    if (c["name"] != GetParam()) continue;
+    auto model = Model::Load(c["dir"]);
+    ASSERT_TRUE(model.ok()) << model.status();
+    auto backend = NewCudaBackend(*model, KvCacheConfig{16, 64});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    std::vector<testing::HfPrompt> prompts = testing::ReadHfReference(c);
+    // Under a sanitizer the emulator is slower: the three shortest prompts, 16 new tokens (past a KV block).
+    if (kSanitized) prompts.resize(3);
+    testing::ExpectBackendMatchesHf(**backend, prompts, (*model)->config().vocab_size, 1e-4, GetParam(),
+                                    kSanitized ? 16 : 1 << 30);
+  }
+}
+
+std::vector<std::string> HfCaseNames() {
+  std::vector<std::string> names;
+  for (const auto& c : testing::HfCases()) names.push_back(c["name"]);
+  return names;
+}
+INSTANTIATE_TEST_SUITE_P(Hf, CudaHfTest, ::testing::ValuesIn(HfCaseNames()), [](const auto& i) {
+  std::string n = i.param;
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n;
+});
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaHfTest);
 
 // Batched output == single-request output on the GPU engine (greedy, float32).
 TEST(CudaEngineTest, BatchedEqualsAlone) {

@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <regex>
 
-#include "engine/cpu_backend.h"
-#include "engine/engine.h"
+#include "engine/backends/cpu_backend.h"
+#include "engine/core/engine.h"
 #include "relgen/v1/generation.grpc.pb.h"
 #include "tests/server_process.h"
 #include "tests/test_util.h"

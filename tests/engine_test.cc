@@ -9,8 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/cpu_backend.h"
-#include "engine/engine.h"
+#include "engine/backends/cpu_backend.h"
+#include "engine/core/engine.h"
 #include "tests/test_util.h"
 
 namespace relgen {

@@ -4,9 +4,9 @@
 
 #include <string>
 
-#include "engine/config.h"
-#include "engine/model.h"
-#include "engine/safetensors.h"
+#include "engine/model/config.h"
+#include "engine/model/model.h"
+#include "engine/model/safetensors.h"
 #include "tests/test_util.h"
 
 namespace relgen {

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/cpu_backend.h"
-#include "engine/model.h"
-#include "engine/safetensors.h"
+#include "engine/backends/backend.h"
+#include "engine/backends/cpu_backend.h"
+#include "engine/model/model.h"
+#include "engine/model/safetensors.h"
 #include "tests/test_util.h"
 
 namespace relgen {

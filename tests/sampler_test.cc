@@ -5,7 +5,7 @@
 #include <map>
 #include <vector>
 
-#include "engine/sampler.h"
+#include "engine/core/sampler.h"
 
 namespace relgen {
 namespace {

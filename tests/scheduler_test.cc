@@ -1,7 +1,7 @@
 // The scheduling decision, hand-derived cases (block size 4 throughout).
 #include <gtest/gtest.h>
 
-#include "engine/scheduler.h"
+#include "engine/core/scheduler.h"
 
 namespace relgen {
 namespace {

@@ -8,8 +8,8 @@
 #include <future>
 #include <thread>
 
-#include "engine/cpu_backend.h"
-#include "engine/engine.h"
+#include "engine/backends/cpu_backend.h"
+#include "engine/core/engine.h"
 #include "relgen/v1/generation.grpc.pb.h"
 #include "tests/grpc_test_util.h"
 #include "tests/server_process.h"

@@ -7,7 +7,7 @@
 #include <random>
 #include <string>
 
-#include "engine/tokenizer.h"
+#include "engine/tokenizers/tokenizer.h"
 #include "tests/test_util.h"
 
 namespace relgen {

@@ -37,6 +37,19 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
+# The test references for Hugging Face checkpoints and tokenizers: transformers and tokenizers from
+# PyPI in a venv over Debian's torch (tests/CMakeLists.txt: RELGEN_HF_PYTHON). Test tools only.
+if [ "$mode" = test ]; then
+  venv=build-hf-venv
+  if ! "$venv/bin/python" -c 'import transformers, tokenizers, sentencepiece' 2>/dev/null; then
+    echo "== making $venv (transformers 4.46.3, tokenizers 0.20.3 from PyPI, over Debian's torch)"
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv --system-site-packages "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check \
+      "transformers==4.46.3" "tokenizers==0.20.3" "sentencepiece==0.2.0"
+  fi
+fi
+
 jobs=$(nproc)
 echo "== configuring and building (build/, $jobs jobs)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${RELGEN_CMAKE_ARGS:-} > build.log 2>&1 \

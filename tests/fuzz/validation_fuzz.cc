@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "engine/tokenizer.h"
+#include "engine/tokenizers/tokenizer.h"
 #include "server/validation.h"
 #include "tests/fuzz/fuzz_check.h"
 

@@ -4,8 +4,8 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "engine/cpu_backend.h"
-#include "engine/engine.h"
+#include "engine/backends/cpu_backend.h"
+#include "engine/core/engine.h"
 
 namespace relgen::bench {
 namespace {

@@ -8,8 +8,8 @@
 #include <random>
 #include <thread>
 
-#include "engine/cpu_backend.h"
-#include "engine/model.h"
+#include "engine/backends/cpu_backend.h"
+#include "engine/model/model.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/thread_pool.h"
 #include "nlohmann/json.hpp"

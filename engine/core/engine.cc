@@ -1,4 +1,4 @@
-#include "engine/engine.h"
+#include "engine/core/engine.h"
 
 #include <algorithm>
 #include <cstdio>

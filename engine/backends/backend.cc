@@ -1,4 +1,4 @@
-#include "engine/backend.h"
+#include "engine/backends/backend.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"

@@ -6,8 +6,8 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "engine/backend.h"
-#include "engine/model.h"
+#include "engine/backends/backend.h"
+#include "engine/model/model.h"
 
 namespace relgen {
 

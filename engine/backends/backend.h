@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "engine/kv_cache.h"
+#include "engine/core/kv_cache.h"
 
 namespace relgen {
 

@@ -13,7 +13,7 @@ namespace relgen {
 
 enum class NormKind { kLayerNorm, kRmsNorm };
 enum class NormPlacement { kPre, kPost };
-enum class TokenizerKind { kByte, kSentencePiece };
+enum class TokenizerKind { kByte, kSentencePiece, kBpe };
 
 struct RelativeConfig {
   relpos::Scheme scheme = relpos::Scheme::kNone;
@@ -27,10 +27,15 @@ struct RelativeConfig {
   bool heads_share_table = false;
   bool share_across_layers = false;
   bool scale_with_qk = true;
+  float alibi_bias_max = 8.0f;    // alibi: slopes 2^(-alibi_bias_max * h / heads) (relpos_host.h)
 };
 
 struct ModelConfig {
   std::string name;
+  // Where the model came from: "relgen" (docs/model-format.md) or "hf:<model_type>" (docs/models.md),
+  // and the architecture it maps ("decoder", "bloom", "mpt"). Reporting only: the math is below.
+  std::string source = "relgen";
+  std::string architecture = "decoder";
   int vocab_size = 0;
   int d_model = 0;
   int n_layers = 0;
@@ -42,6 +47,8 @@ struct ModelConfig {
   NormKind norm = NormKind::kLayerNorm;
   NormPlacement norm_placement = NormPlacement::kPre;
   float norm_eps = 1e-5f;
+  bool norm_bias = true;        // layernorm: norms carry a bias
+  bool embedding_norm = false;  // a norm right after the embedding (BLOOM's word_embeddings_layernorm)
   bool linear_bias = true;
   bool tie_embeddings = false;
   float embedding_scale = 1.0f;
@@ -50,8 +57,11 @@ struct ModelConfig {
   int bos_token_id = -1;  // -1: none
   int eos_token_id = -1;
   int pad_token_id = -1;
+  // Text prompts start with bos_token_id (relgen's format). A Hugging Face tokenizer adds its own
+  // special tokens (its post-processor), so its checkpoints leave this false.
+  bool bos_before_text = true;
   TokenizerKind tokenizer = TokenizerKind::kByte;
-  std::string tokenizer_file;  // relative to the model directory (sentencepiece)
+  std::string tokenizer_file;  // relative to the model directory (sentencepiece, bpe)
   RelativeConfig rel;
 
   int qkv_width() const { return n_heads * head_dim; }

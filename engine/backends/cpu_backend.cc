@@ -1,4 +1,4 @@
-#include "engine/cpu_backend.h"
+#include "engine/backends/cpu_backend.h"
 
 #include <algorithm>
 #include <fstream>
@@ -154,6 +154,7 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
       row += static_cast<int>(s.tokens.size());
     }
   }
+  if (c.embedding_norm) Norm(x, total, model_->embed_norm_w(), model_->embed_norm_b(), x);
   const bool pre = c.norm_placement == NormPlacement::kPre;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& lw = model_->layer(l);

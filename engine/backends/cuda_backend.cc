@@ -1,4 +1,4 @@
-#include "engine/cuda_backend.h"
+#include "engine/backends/cuda_backend.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -289,6 +289,8 @@ const float* CudaBackend::Host(const std::string& name) const {
   // Model's host weights by name, through the same layout the CPU backend reads.
   const ModelConfig& c = model_->config();
   if (name == "embed.weight") return model_->embed();
+  if (name == "embed_norm.weight") return model_->embed_norm_w();
+  if (name == "embed_norm.bias") return model_->embed_norm_b();
   if (name == "final_norm.weight") return model_->final_norm_w();
   if (name == "final_norm.bias") return model_->final_norm_b();
   if (name == "lm_head.weight") return model_->lm_head();
@@ -357,6 +359,9 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   const int32_t* d_keep = rows.block_tables + tables.size();
 
   RELGEN_CUDA_RETURN(cuda::Embedding(d_tokens, total, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
+  if (c.embedding_norm) {
+    if (auto s = Norm(x_.f(), total, "embed_norm", x_.f()); !s.ok()) return s;
+  }
   const bool pre = c.norm_placement == NormPlacement::kPre;
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("layers.", l, ".");

@@ -1,6 +1,6 @@
-// Tokenizers: byte-level (ids 0..255 are the bytes; ids above are special and decode to nothing)
-// and SentencePiece. Decoding never splits a UTF-8 character: a stream holds bytes back until the
-// character is complete, and replaces invalid or truncated sequences by U+FFFD (one per maximal
+// Tokenizers: byte-level (ids 0..255 are the bytes; ids above are special and decode to nothing),
+// SentencePiece, and byte-level BPE (Hugging Face tokenizer.json). Decoding never splits a UTF-8
+// character: a stream holds bytes back until the character is complete, and replaces invalid or truncated sequences by U+FFFD (one per maximal
 // invalid subpart, as the Unicode standard recommends).
 // Thread-safety: a Tokenizer is immutable and shareable; a StreamDecoder belongs to one sequence.
 #pragma once
@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "engine/config.h"
+#include "engine/model/config.h"
 
 namespace relgen {
 
@@ -40,6 +40,9 @@ class Tokenizer {
 std::unique_ptr<Tokenizer> NewByteTokenizer();
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::string& path,
                                                                      int vocab_size);
+// A byte-level BPE tokenizer from a Hugging Face `tokenizer.json` (engine/tokenizers/bpe_tokenizer.cc).
+// Invalid UTF-8 input is made valid first (see bpe_tokenizer.h for the contract).
+absl::StatusOr<std::unique_ptr<Tokenizer>> NewBpeTokenizer(const std::string& path, int vocab_size);
 // The tokenizer a model's config names (files relative to `model_dir`).
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewTokenizer(const ModelConfig& config,
                                                         const std::string& model_dir);

@@ -5,8 +5,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "engine/backend.h"
-#include "engine/model.h"
+#include "engine/backends/backend.h"
+#include "engine/model/model.h"
 
 namespace relgen {
 

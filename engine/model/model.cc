@@ -1,10 +1,12 @@
-#include "engine/model.h"
+#include "engine/model/model.h"
 
 #include <cmath>
+#include <set>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/model/hf_checkpoint.h"
 #include "kernels/relpos_host.h"
 
 namespace relgen {
@@ -17,14 +19,14 @@ std::string ShapeStr(const std::vector<int64_t>& s) { return absl::StrCat("[", a
 std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
   const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim, v = c.vocab_size;
   const int64_t hs = c.rel_table_heads(), hd = c.head_dim;
-  const bool layernorm = c.norm == NormKind::kLayerNorm;
+  const bool norm_bias = c.norm == NormKind::kLayerNorm && c.norm_bias;
   std::vector<TensorSpec> specs;
   auto add = [&](std::string name, std::vector<int64_t> shape) {
     specs.push_back({std::move(name), std::move(shape)});
   };
   auto norm = [&](const std::string& prefix) {
     add(prefix + ".weight", {d});
-    if (layernorm) add(prefix + ".bias", {d});
+    if (norm_bias) add(prefix + ".bias", {d});
   };
   auto linear = [&](const std::string& prefix, int64_t out, int64_t in) {
     add(prefix + ".weight", {out, in});
@@ -49,6 +51,7 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
     }
   };
   add("embed.weight", {v, d});
+  if (c.embedding_norm) norm("embed_norm");
   if (c.rel.share_across_layers) relative("attn.");
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("layers.", l, ".");
@@ -74,6 +77,13 @@ const float* Model::Get(const std::string& name) const {
 }
 
 absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& dir) {
+  auto hf = IsHfCheckpoint(dir);
+  if (!hf.ok()) return hf.status();
+  if (*hf) {
+    auto ckpt = LoadHfCheckpoint(dir);
+    if (!ckpt.ok()) return ckpt.status();
+    return FromTensors(std::move(ckpt->config), std::move(ckpt->tensors), ckpt->file_dtype, dir, dir);
+  }
   auto config = LoadModelConfig(dir + "/config.json");
   if (!config.ok()) return config.status();
   return FromFiles(*std::move(config), dir + "/model.safetensors", dir);
@@ -85,49 +95,83 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromFiles(ModelConfig config
   auto file = SafetensorsFile::Open(weights_path);
   if (!file.ok()) return file.status();
   const std::vector<TensorSpec> specs = ExpectedTensors(config);
-
-  std::shared_ptr<Model> m(new Model());
-  m->config_ = std::move(config);
-  m->dir_ = std::move(dir);
   auto bad = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(weights_path, ": ", what));
   };
+  std::set<std::string> expected;
+  for (const TensorSpec& spec : specs) expected.insert(spec.name);
+  for (const TensorInfo& t : (*file)->tensors()) {
+    if (!expected.contains(t.name)) {
+      return bad(absl::StrCat("unexpected tensor '", t.name, "' ", ShapeStr(t.shape),
+                              ": this config does not use it (see docs/model-format.md)"));
+    }
+  }
+  TensorMap tensors;
   for (const TensorSpec& spec : specs) {
     const TensorInfo* t = (*file)->Find(spec.name);
     if (t == nullptr) {
       return bad(absl::StrCat("missing tensor '", spec.name, "' (expected shape ", ShapeStr(spec.shape),
                               ", dtype F32, F16 or BF16)"));
     }
-    if (t->dtype != DType::kF32 && t->dtype != DType::kF16 && t->dtype != DType::kBF16) {
-      return bad(absl::StrCat("tensor '", spec.name, "' has dtype ", DTypeName(t->dtype),
-                              "; allowed: F32, F16, BF16"));
-    }
-    if (t->shape != spec.shape) {
-      return bad(absl::StrCat("tensor '", spec.name, "' has shape ", ShapeStr(t->shape),
-                              "; the config requires ", ShapeStr(spec.shape)));
-    }
+    if (auto s = CheckFloatTensor(*t, spec.name, spec.shape, weights_path); !s.ok()) return s;
     auto values = ToFloat32(*t);
     if (!values.ok()) return values.status();
+    tensors.emplace(spec.name, *std::move(values));
+  }
+  const DType dtype = specs.empty() ? DType::kF32 : (*file)->Find(specs.front().name)->dtype;
+  return FromTensors(std::move(config), std::move(tensors), dtype, weights_path, std::move(dir));
+}
+
+absl::Status CheckFloatTensor(const TensorInfo& t, absl::string_view name, const std::vector<int64_t>& shape,
+                              absl::string_view origin) {
+  if (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": tensor '", name, "' has dtype ", DTypeName(t.dtype),
+                                                   "; allowed: F32, F16, BF16"));
+  }
+  if (t.shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": tensor '", name, "' has shape ", ShapeStr(t.shape),
+                                                   "; the config requires ", ShapeStr(shape)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> Model::FromTensors(ModelConfig config, TensorMap tensors,
+                                                                DType file_dtype, const std::string& origin,
+                                                                std::string dir) {
+  const std::vector<TensorSpec> specs = ExpectedTensors(config);
+  std::shared_ptr<Model> m(new Model());
+  m->config_ = std::move(config);
+  m->dir_ = std::move(dir);
+  m->file_dtype_ = file_dtype;
+  auto bad = [&](absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat(origin, ": ", what)); };
+  for (const TensorSpec& spec : specs) {
+    auto it = tensors.find(spec.name);
+    int64_t numel = 1;
+    for (int64_t n : spec.shape) numel *= n;
+    if (it == tensors.end()) return bad(absl::StrCat("missing tensor '", spec.name, "' ", ShapeStr(spec.shape)));
+    if (static_cast<int64_t>(it->second.size()) != numel) {
+      return bad(absl::StrCat("tensor '", spec.name, "' has ", it->second.size(), " values; the config requires ",
+                              ShapeStr(spec.shape)));
+    }
     // A flipped exponent bit reads as inf or NaN: refuse rather than serve garbage.
-    for (size_t i = 0; i < values->size(); ++i) {
-      if (!std::isfinite((*values)[i])) {
-        return bad(absl::StrCat("tensor '", spec.name, "' holds ", (*values)[i], " at element ", i,
+    for (size_t i = 0; i < it->second.size(); ++i) {
+      if (!std::isfinite(it->second[i])) {
+        return bad(absl::StrCat("tensor '", spec.name, "' holds ", it->second[i], " at element ", i,
                                 "; weights must be finite (corrupt file?)"));
       }
     }
-    m->num_parameters_ += t->numel();
-    m->storage_.emplace(spec.name, *std::move(values));
+    m->num_parameters_ += numel;
+    m->storage_.emplace(spec.name, std::move(it->second));
+    tensors.erase(it);
   }
-  if (!specs.empty()) m->file_dtype_ = (*file)->Find(specs.front().name)->dtype;
-  for (const TensorInfo& t : (*file)->tensors()) {
-    if (!m->storage_.contains(t.name)) {
-      return bad(absl::StrCat("unexpected tensor '", t.name, "' ", ShapeStr(t.shape),
-                              ": this config does not use it (see docs/model-format.md)"));
-    }
+  if (!tensors.empty()) {
+    return bad(absl::StrCat("unexpected tensor '", tensors.begin()->first, "': this config does not use it"));
   }
 
   const ModelConfig& c = m->config_;
   m->embed_ = m->Get("embed.weight");
+  m->embed_norm_w_ = m->Get("embed_norm.weight");
+  m->embed_norm_b_ = m->Get("embed_norm.bias");
   m->final_norm_w_ = m->Get("final_norm.weight");
   m->final_norm_b_ = m->Get("final_norm.bias");
   m->lm_head_ = c.tie_embeddings ? m->embed_ : m->Get("lm_head.weight");
@@ -161,7 +205,7 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromFiles(ModelConfig config
   if (c.rel.scheme == relpos::Scheme::kT5) {
     m->t5_table_ = relpos::T5BucketTable(c.rel.num_buckets, c.rel.max_distance, c.rel.bidirectional);
   }
-  if (c.rel.scheme == relpos::Scheme::kAlibi) m->alibi_slopes_ = relpos::AlibiSlopes(c.n_heads);
+  if (c.rel.scheme == relpos::Scheme::kAlibi) m->alibi_slopes_ = relpos::AlibiSlopes(c.n_heads, c.rel.alibi_bias_max);
   return std::shared_ptr<const Model>(std::move(m));
 }
 

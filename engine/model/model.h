@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/config.h"
-#include "engine/safetensors.h"
+#include "engine/model/config.h"
+#include "engine/model/safetensors.h"
 
 namespace relgen {
 
@@ -19,6 +19,10 @@ struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
 };
+
+// Refuses a tensor that is not F32/F16/BF16 or not of `shape`; `origin` names the file in the message.
+absl::Status CheckFloatTensor(const TensorInfo& t, absl::string_view name, const std::vector<int64_t>& shape,
+                              absl::string_view origin);
 
 // Every tensor a model with this config must carry, in file order of the documentation.
 std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
@@ -48,19 +52,30 @@ struct LayerWeights {
   const float* rel_bias = nullptr;  // t5 [Hs, num_buckets]
 };
 
+// Float32 tensors by relgen name (docs/model-format.md), as a checkpoint mapping produces them.
+using TensorMap = std::unordered_map<std::string, std::vector<float>>;
+
 class Model {
  public:
-  // Loads `dir`/config.json and `dir`/model.safetensors.
+  // Loads a model directory: relgen's own format (config.json + model.safetensors) or a Hugging
+  // Face checkpoint (config.json with model_type; engine/model/hf_checkpoint.h).
   static absl::StatusOr<std::shared_ptr<const Model>> Load(const std::string& dir);
   // `dir` is only recorded (for reporting and for files beside the weights, e.g. a tokenizer).
   static absl::StatusOr<std::shared_ptr<const Model>> FromFiles(ModelConfig config,
                                                                 const std::string& weights_path,
                                                                 std::string dir = "");
+  // Takes tensors already mapped to relgen names and float32: every expected one must be there with
+  // its shape, finite, and nothing else. `origin` names where they came from, in errors.
+  static absl::StatusOr<std::shared_ptr<const Model>> FromTensors(ModelConfig config, TensorMap tensors,
+                                                                  DType file_dtype, const std::string& origin,
+                                                                  std::string dir = "");
 
   const ModelConfig& config() const { return config_; }
   const std::string& dir() const { return dir_; }
   const LayerWeights& layer(int i) const { return layers_[i]; }
   const float* embed() const { return embed_; }
+  const float* embed_norm_w() const { return embed_norm_w_; }  // null without embedding_norm
+  const float* embed_norm_b() const { return embed_norm_b_; }
   const float* final_norm_w() const { return final_norm_w_; }
   const float* final_norm_b() const { return final_norm_b_; }
   const float* lm_head() const { return lm_head_; }  // the embedding when tied
@@ -78,9 +93,11 @@ class Model {
 
   ModelConfig config_;
   std::string dir_;
-  std::unordered_map<std::string, std::vector<float>> storage_;
+  TensorMap storage_;
   std::vector<LayerWeights> layers_;
   const float* embed_ = nullptr;
+  const float* embed_norm_w_ = nullptr;
+  const float* embed_norm_b_ = nullptr;
   const float* final_norm_w_ = nullptr;
   const float* final_norm_b_ = nullptr;
   const float* lm_head_ = nullptr;

@@ -1,13 +1,13 @@
-#include "engine/device.h"
+#include "engine/backends/device.h"
 
 #include <algorithm>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "engine/cpu_backend.h"
+#include "engine/backends/cpu_backend.h"
 #if RELGEN_WITH_CUDA
-#include "engine/cuda_backend.h"
+#include "engine/backends/cuda_backend.h"
 #endif
 
 namespace relgen {

@@ -1,4 +1,4 @@
-#include "engine/kv_cache.h"
+#include "engine/core/kv_cache.h"
 
 #include <cstdio>
 #include <cstdlib>

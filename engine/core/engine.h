@@ -18,11 +18,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "engine/backend.h"
-#include "engine/model.h"
-#include "engine/sampler.h"
-#include "engine/scheduler.h"
-#include "engine/tokenizer.h"
+#include "engine/backends/backend.h"
+#include "engine/model/model.h"
+#include "engine/core/sampler.h"
+#include "engine/core/scheduler.h"
+#include "engine/tokenizers/tokenizer.h"
 
 namespace relgen {
 

@@ -1,11 +1,11 @@
-#include "engine/tokenizer.h"
+#include "engine/tokenizers/tokenizer.h"
 
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
-#include "engine/sentencepiece_wrapper.h"
+#include "engine/tokenizers/sentencepiece_wrapper.h"
 
 namespace relgen {
 namespace {
@@ -183,6 +183,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewTokenizer(const ModelConfig& config,
                                                         const std::string& model_dir) {
   if (config.tokenizer == TokenizerKind::kByte) return NewByteTokenizer();
+  if (config.tokenizer == TokenizerKind::kBpe) {
+    return NewBpeTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size);
+  }
   return NewSentencePieceTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size);
 }
 

@@ -1,4 +1,4 @@
-#include "engine/config.h"
+#include "engine/model/config.h"
 
 #include <cmath>
 #include <limits>
@@ -108,7 +108,7 @@ absl::Status ParseRelative(const json& r, ModelConfig& c) {
   if (auto s = CheckKeys(r, "relative_attention.",
                          {"scheme", "max_relative_position", "block_length", "clip",
                           "relative_values", "num_buckets", "max_distance", "bidirectional",
-                          "heads_share_table", "share_across_layers", "scale_with_qk"});
+                          "heads_share_table", "share_across_layers", "scale_with_qk", "alibi_bias_max"});
       !s.ok()) {
     return s;
   }
@@ -138,7 +138,8 @@ absl::Status ParseRelative(const json& r, ModelConfig& c) {
                           "skew, skew_local, shaw or t5"),
                  only_for("share_across_layers", skew || sc == Scheme::kShaw || sc == Scheme::kT5,
                           "skew, skew_local, shaw or t5"),
-                 only_for("scale_with_qk", sc != Scheme::kNone, "other than none")}) {
+                 only_for("scale_with_qk", sc != Scheme::kNone, "other than none"),
+                 only_for("alibi_bias_max", sc == Scheme::kAlibi, "alibi")}) {
     if (!s.ok()) return s;
   }
   absl::Status s;
@@ -169,6 +170,9 @@ absl::Status ParseRelative(const json& r, ModelConfig& c) {
                    &rel.heads_share_table, false));
   s.Update(GetBool(r, "share_across_layers", "relative_attention.share_across_layers",
                    &rel.share_across_layers, false));
+  if (sc == Scheme::kAlibi) {
+    s.Update(GetFloat(r, "alibi_bias_max", "relative_attention.alibi_bias_max", &rel.alibi_bias_max));
+  }
   if (sc != Scheme::kNone) {
     s.Update(GetBool(r, "scale_with_qk", "relative_attention.scale_with_qk", &rel.scale_with_qk, true));
   }
@@ -180,7 +184,7 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
   if (auto s = CheckKeys(j, "",
                          {"format_version", "name", "vocab_size", "d_model", "n_layers", "n_heads",
                           "head_dim", "ffn_dim", "ffn_activation", "ffn_gated", "norm",
-                          "norm_placement", "norm_eps", "linear_bias", "tie_embeddings",
+                          "norm_placement", "norm_eps", "norm_bias", "embedding_norm", "linear_bias", "tie_embeddings",
                           "embedding_scale", "attention_scale", "max_seq_len", "bos_token_id",
                           "eos_token_id", "pad_token_id", "tokenizer", "relative_attention"});
       !s.ok()) {
@@ -215,6 +219,8 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
                                   {{"pre", NormPlacement::kPre}, {"post", NormPlacement::kPost}},
                                   &c.norm_placement, false));
   s.Update(GetFloat(j, "norm_eps", "norm_eps", &c.norm_eps));
+  s.Update(GetBool(j, "norm_bias", "norm_bias", &c.norm_bias, false));
+  s.Update(GetBool(j, "embedding_norm", "embedding_norm", &c.embedding_norm, false));
   s.Update(GetBool(j, "linear_bias", "linear_bias", &c.linear_bias, false));
   s.Update(GetBool(j, "tie_embeddings", "tie_embeddings", &c.tie_embeddings, false));
   s.Update(GetFloat(j, "embedding_scale", "embedding_scale", &c.embedding_scale));
@@ -243,7 +249,8 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
     if (auto st = CheckKeys(*it, "tokenizer.", {"kind", "file"}); !st.ok()) return st;
     if (auto st = GetEnum<TokenizerKind>(*it, "kind", "tokenizer.kind",
                                          {{"byte", TokenizerKind::kByte},
-                                          {"sentencepiece", TokenizerKind::kSentencePiece}},
+                                          {"sentencepiece", TokenizerKind::kSentencePiece},
+                                          {"bpe", TokenizerKind::kBpe}},
                                          &c.tokenizer, true);
         !st.ok()) {
       return st;
@@ -265,8 +272,8 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
                                               "; the byte tokenizer needs at least 256 (ids 0..255 "
                                               "are the bytes)"));
   }
-  if (c.tokenizer == TokenizerKind::kSentencePiece && c.tokenizer_file.empty()) {
-    return Invalid("tokenizer.file", "is required for the sentencepiece tokenizer");
+  if (c.tokenizer != TokenizerKind::kByte && c.tokenizer_file.empty()) {
+    return Invalid("tokenizer.file", "is required for the sentencepiece and bpe tokenizers");
   }
 
   auto rit = j.find("relative_attention");

@@ -1,4 +1,4 @@
-#include "engine/sentencepiece_wrapper.h"
+#include "engine/tokenizers/sentencepiece_wrapper.h"
 
 #include <dlfcn.h>
 #include <unistd.h>

@@ -1,8 +1,8 @@
-#include "engine/scheduler.h"
+#include "engine/core/scheduler.h"
 
 #include <algorithm>
 
-#include "engine/kv_cache.h"
+#include "engine/core/kv_cache.h"
 
 namespace relgen {
 

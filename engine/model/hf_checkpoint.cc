@@ -1,0 +1,544 @@
+#include "engine/model/hf_checkpoint.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace relgen {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+absl::StatusOr<json> ReadJsonFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  }
+  return j;
+}
+
+// A file name inside the checkpoint directory: an index may not point elsewhere on the disk.
+bool PlainFileName(const std::string& name) {
+  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != ".." &&
+         name.find('\0') == std::string::npos;
+}
+
+// The weights of a checkpoint: model.safetensors, or the shards model.safetensors.index.json names.
+class Weights {
+ public:
+  static absl::StatusOr<Weights> Open(const std::string& dir) {
+    Weights w;
+    const std::string index_path = dir + "/model.safetensors.index.json";
+    if (fs::exists(index_path)) {
+      auto index = ReadJsonFile(index_path);
+      if (!index.ok()) return index.status();
+      auto map = index->find("weight_map");
+      if (map == index->end() || !map->is_object() || map->empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, ": 'weight_map' must be a non-empty object of tensor name -> shard file"));
+      }
+      std::map<std::string, std::vector<std::string>> by_shard;
+      for (const auto& [name, file] : map->items()) {
+        if (!file.is_string() || !PlainFileName(file.get<std::string>())) {
+          return absl::InvalidArgumentError(absl::StrCat(index_path, ": tensor '", name, "' maps to ", file.dump(),
+                                                         "; must be a file name in the checkpoint directory"));
+        }
+        by_shard[file.get<std::string>()].push_back(name);
+      }
+      for (const auto& [shard, names] : by_shard) {
+        const std::string path = dir + "/" + shard;
+        if (!fs::exists(path)) {
+          return absl::NotFoundError(absl::StrCat(index_path, " names shard '", shard, "' (", names.size(),
+                                                  " tensors, e.g. '", names.front(), "'), which is not in ", dir,
+                                                  ": the download is incomplete"));
+        }
+        auto file = SafetensorsFile::Open(path);
+        if (!file.ok()) return file.status();
+        for (const std::string& name : names) {
+          const TensorInfo* t = (*file)->Find(name);
+          if (t == nullptr) {
+            return absl::InvalidArgumentError(absl::StrCat(index_path, " places tensor '", name, "' in shard '", shard,
+                                                           "', which does not hold it"));
+          }
+          w.tensors_.emplace(name, Entry{t, path});
+        }
+        w.files_.push_back(*std::move(file));
+      }
+      return w;
+    }
+    const std::string single = dir + "/model.safetensors";
+    if (fs::exists(single)) {
+      auto file = SafetensorsFile::Open(single);
+      if (!file.ok()) return file.status();
+      for (const TensorInfo& t : (*file)->tensors()) w.tensors_.emplace(t.name, Entry{&t, single});
+      w.files_.push_back(*std::move(file));
+      return w;
+    }
+    for (const char* bin : {"pytorch_model.bin", "pytorch_model.bin.index.json"}) {
+      if (fs::exists(dir + "/" + bin)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dir, " holds PyTorch pickle weights (", bin,
+            ") only; relgen reads safetensors (pickles can run code on load). Convert once with "
+            "transformers installed: python3 -c \"import sys, transformers as t; "
+            "t.AutoModelForCausalLM.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[1], "
+            "safe_serialization=True)\" ",
+            dir));
+      }
+    }
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no weights; expected model.safetensors or model.safetensors.index.json with its shards"));
+  }
+
+  const TensorInfo* Find(const std::string& name) const {
+    auto it = tensors_.find(name);
+    return it == tensors_.end() ? nullptr : it->second.info;
+  }
+  const std::string& FileOf(const std::string& name) const { return tensors_.at(name).file; }
+  std::vector<std::string> Names() const {
+    std::vector<std::string> names;
+    for (const auto& [n, e] : tensors_) names.push_back(n);
+    return names;
+  }
+
+ private:
+  struct Entry {
+    const TensorInfo* info;
+    std::string file;
+  };
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, Entry> tensors_;
+};
+
+// ---- config.json keys -----------------------------------------------------------------------
+
+// Reads config.json keys with messages that name the key, what was found and what is allowed, and
+// records which keys were looked at so that the rest can be refused.
+class Keys {
+ public:
+  Keys(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
+
+  absl::Status Error(const std::string& key, absl::string_view what) const {
+    return absl::InvalidArgumentError(absl::StrCat(where_, ": '", key, "' ", what));
+  }
+  const json* Get(const std::string& key) {
+    seen_.insert(key);
+    auto it = j_.find(key);
+    return it == j_.end() || it->is_null() ? nullptr : &*it;
+  }
+  // The first of `names` present (transformers' aliases, e.g. n_head / num_attention_heads).
+  absl::Status Int(std::initializer_list<const char*> names, int lo, int hi, int* out, bool required) {
+    const json* v = nullptr;
+    std::string key = *names.begin();
+    for (const char* n : names) {
+      const json* c = Get(n);
+      if (c != nullptr && v == nullptr) {
+        v = c;
+        key = n;
+      }
+    }
+    if (v == nullptr) return required ? Error(key, "is required (an integer)") : absl::OkStatus();
+    if (!v->is_number_integer()) return Error(key, absl::StrCat("must be an integer, found ", v->dump()));
+    const int64_t x = v->get<int64_t>();
+    if (x < lo || x > hi) return Error(key, absl::StrCat("is ", x, "; allowed ", lo, "..", hi));
+    *out = static_cast<int>(x);
+    return absl::OkStatus();
+  }
+  absl::Status PositiveFloat(const std::string& key, float* out) {
+    const json* v = Get(key);
+    if (v == nullptr) return absl::OkStatus();
+    if (!v->is_number()) return Error(key, absl::StrCat("must be a number, found ", v->dump()));
+    const double x = v->get<double>();
+    const float f = static_cast<float>(x);
+    if (!(x > 0) || !std::isfinite(f) || f < std::numeric_limits<float>::min()) {
+      return Error(key, absl::StrCat("is ", x, "; must be a normal float > 0"));
+    }
+    *out = f;
+    return absl::OkStatus();
+  }
+  absl::Status Bool(const std::string& key, bool* out) {
+    const json* v = Get(key);
+    if (v == nullptr) return absl::OkStatus();
+    if (!v->is_boolean()) return Error(key, absl::StrCat("must be true or false, found ", v->dump()));
+    *out = v->get<bool>();
+    return absl::OkStatus();
+  }
+  // A key whose other values change the math in a way relgen does not implement: only `allowed`
+  // (null/absent is always allowed) passes.
+  absl::Status Only(const std::string& key, std::vector<json> allowed, absl::string_view why) {
+    const json* v = Get(key);
+    if (v == nullptr) return absl::OkStatus();
+    for (const json& a : allowed) {
+      if (*v == a || (a.is_number() && v->is_number() && a.get<double>() == v->get<double>())) return absl::OkStatus();
+    }
+    std::vector<std::string> names;
+    for (const json& a : allowed) names.push_back(a.dump());
+    if (names.empty()) names.push_back("null");
+    return Error(key, absl::StrCat("is ", v->dump(), "; relgen serves only ", absl::StrJoin(names, " or "), ": ", why));
+  }
+  // Keys that do not change inference (dropout, initialisation, training-time fusions, generation
+  // defaults): read and dropped.
+  void Ignore(std::initializer_list<const char*> keys) {
+    for (const char* k : keys) seen_.insert(k);
+  }
+  // Refuses every key nobody looked at: an option relgen does not know may change the math.
+  absl::Status RefuseUnknown(absl::string_view model_type) const {
+    for (const auto& [key, value] : j_.items()) {
+      if (!seen_.contains(key)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where_, ": key '", key, "' (", value.dump().substr(0, 60), ") is not known to relgen for model_type '",
+            model_type, "' and may change the model's math; docs/models.md lists the keys handled"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const json& j_;
+  std::string where_;
+  std::set<std::string> seen_;
+};
+
+// PretrainedConfig's own keys: generation defaults and bookkeeping, none of which changes a forward
+// pass (relgen's requests carry their own sampling parameters), except those checked here.
+absl::Status GenericKeys(Keys& k) {
+  k.Ignore({"_name_or_path", "architectures", "auto_map", "transformers_version", "torch_dtype", "use_bfloat16",
+            "return_dict", "output_hidden_states", "output_attentions", "torchscript", "tf_legacy_loss",
+            "chunk_size_feed_forward", "is_decoder", "tie_encoder_decoder", "max_length", "min_length", "do_sample",
+            "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
+            "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+            "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+            "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+            "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "finetuning_task",
+            "id2label", "label2id", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+            "task_specific_params", "problem_type", "_attn_implementation_autoset", "_commit_hash",
+            "model_type", "use_cache", "initializer_range", "unk_token_id"});
+  absl::Status s;
+  s.Update(k.Only("is_encoder_decoder", {false}, "this family is a decoder"));
+  s.Update(k.Only("add_cross_attention", {false}, "a decoder without cross-attention"));
+  s.Update(k.Only("pruned_heads", {json::object()}, "pruned heads change the attention shapes"));
+  return s;
+}
+
+absl::Status TokenIds(Keys& k, ModelConfig& c) {
+  absl::Status s;
+  for (auto [key, field] : {std::pair{"bos_token_id", &c.bos_token_id}, std::pair{"eos_token_id", &c.eos_token_id},
+                            std::pair{"pad_token_id", &c.pad_token_id}}) {
+    const json* v = k.Get(key);
+    if (v == nullptr) continue;
+    // transformers allows a list of eos ids; relgen stops on one.
+    if (v->is_array() && v->size() == 1) v = &(*v)[0];
+    if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() >= c.vocab_size) {
+      s.Update(k.Error(key, absl::StrCat("is ", v->dump(), "; allowed: one token id in 0..", c.vocab_size - 1)));
+      continue;
+    }
+    *field = v->get<int>();
+  }
+  return s;
+}
+
+// ---- families ---------------------------------------------------------------------------------
+
+// Where one relgen tensor comes from: a Hugging Face tensor, whole or one third of a fused QKV.
+enum class Split { kNone, kHeadInterleaved, kChunked };
+struct Source {
+  std::string name;  // without the base model prefix ("transformer.")
+  Split split = Split::kNone;
+  int part = 0;  // 0 q, 1 k, 2 v
+};
+
+struct Family {
+  std::string embed;  // the embedding's name, to find the base model prefix
+  // relgen name -> source; empty name: not in this family.
+  std::function<Source(const std::string& rest, int layer)> layer_source;
+  std::map<std::string, Source> globals;
+};
+
+absl::Status MapBloom(Keys& k, ModelConfig& c, Family& f) {
+  c.architecture = "bloom";
+  absl::Status s;
+  s.Update(k.Int({"vocab_size"}, 1, 1 << 24, &c.vocab_size, true));
+  s.Update(k.Int({"hidden_size", "n_embed"}, 1, 65536, &c.d_model, true));
+  s.Update(k.Int({"n_layer", "num_hidden_layers"}, 1, 1024, &c.n_layers, true));
+  s.Update(k.Int({"n_head", "num_attention_heads"}, 1, 1024, &c.n_heads, true));
+  c.max_seq_len = 2048;  // ALiBi has no position table; BLOOM trained on 2048
+  s.Update(k.Int({"seq_length"}, 1, 1 << 20, &c.max_seq_len, false));
+  s.Update(k.PositiveFloat("layer_norm_epsilon", &c.norm_eps));
+  s.Update(k.Bool("tie_word_embeddings", &c.tie_embeddings));
+  if (!s.ok()) return s;
+  if (c.d_model % c.n_heads != 0) {
+    return k.Error("hidden_size", absl::StrCat("(", c.d_model, ") is not divisible by n_head (", c.n_heads, ")"));
+  }
+  s.Update(k.Only("apply_residual_connection_post_layernorm", {false},
+                  "the residual taken after the norm is not implemented"));
+  s.Update(k.Only("n_inner", {4 * c.d_model}, "transformers' BLOOM always uses 4 x hidden_size"));
+  // Tensor-parallel slicing of the dense layers: the same sums in another order.
+  k.Ignore({"pretraining_tp", "slow_but_exact"});
+  // Megatron training-time switches transformers ignores; offset_alibi shifts every logit of a row alike.
+  k.Ignore({"hidden_dropout", "attention_dropout", "attention_softmax_in_fp32", "masked_softmax_fusion",
+            "bias_dropout_fusion", "skip_bias_add", "skip_bias_add_qkv", "offset_alibi"});
+  c.head_dim = c.d_model / c.n_heads;
+  c.ffn_dim = 4 * c.d_model;
+  c.ffn_activation = cpu::Activation::kGeluTanh;
+  c.norm = NormKind::kLayerNorm;
+  c.norm_placement = NormPlacement::kPre;
+  c.embedding_norm = true;
+  c.linear_bias = true;
+  c.rel.scheme = relpos::Scheme::kAlibi;
+  c.rel.scale_with_qk = false;  // alibi + QK^T / sqrt(d)
+  if (!s.ok()) return s;
+  f.embed = "word_embeddings.weight";
+  f.globals = {{"embed.weight", {"word_embeddings.weight"}},
+               {"embed_norm.weight", {"word_embeddings_layernorm.weight"}},
+               {"embed_norm.bias", {"word_embeddings_layernorm.bias"}},
+               {"final_norm.weight", {"ln_f.weight"}},
+               {"final_norm.bias", {"ln_f.bias"}}};
+  f.layer_source = [](const std::string& rest, int l) -> Source {
+    const std::string p = absl::StrCat("h.", l, ".");
+    static const std::map<std::string, std::pair<std::string, int>> kMap = {
+        {"attn_norm", {"input_layernorm", -1}},
+        {"attn.q", {"self_attention.query_key_value", 0}},
+        {"attn.k", {"self_attention.query_key_value", 1}},
+        {"attn.v", {"self_attention.query_key_value", 2}},
+        {"attn.o", {"self_attention.dense", -1}},
+        {"ffn_norm", {"post_attention_layernorm", -1}},
+        {"ffn.up", {"mlp.dense_h_to_4h", -1}},
+        {"ffn.down", {"mlp.dense_4h_to_h", -1}}};
+    const size_t dot = rest.rfind('.');
+    auto it = kMap.find(rest.substr(0, dot));
+    if (it == kMap.end()) return {};
+    const auto& [name, part] = it->second;
+    return {p + name + rest.substr(dot), part < 0 ? Split::kNone : Split::kHeadInterleaved, std::max(part, 0)};
+  };
+  return absl::OkStatus();
+}
+
+absl::Status MapMpt(Keys& k, ModelConfig& c, Family& f) {
+  c.architecture = "mpt";
+  absl::Status s;
+  int expansion = 4;
+  s.Update(k.Int({"vocab_size"}, 1, 1 << 24, &c.vocab_size, true));
+  s.Update(k.Int({"d_model"}, 1, 65536, &c.d_model, true));
+  s.Update(k.Int({"n_layers"}, 1, 1024, &c.n_layers, true));
+  s.Update(k.Int({"n_heads"}, 1, 1024, &c.n_heads, true));
+  s.Update(k.Int({"max_seq_len"}, 1, 1 << 20, &c.max_seq_len, true));
+  // transformers' MPT hard-codes 4; the original (llm-foundry) reads it: the weights' shapes decide.
+  s.Update(k.Int({"expansion_ratio"}, 1, 64, &expansion, false));
+  s.Update(k.PositiveFloat("layer_norm_epsilon", &c.norm_eps));
+  s.Update(k.Bool("tie_word_embeddings", &c.tie_embeddings));
+  bool no_bias = true;
+  s.Update(k.Bool("no_bias", &no_bias));
+  if (!s.ok()) return s;
+  if (c.d_model % c.n_heads != 0) {
+    return k.Error("d_model", absl::StrCat("(", c.d_model, ") is not divisible by n_heads (", c.n_heads, ")"));
+  }
+  s.Update(k.Only("logit_scale", {}, "scaled logits are not implemented (transformers ignores the key)"));
+  s.Update(k.Only("norm_type", {"low_precision_layernorm", "layernorm"},
+                  "other norms are not implemented (transformers' MPT always uses LayerNorm)"));
+  s.Update(k.Only("fc_type", {"torch"}, "other dense-layer implementations are not implemented"));
+  if (const json* ffn = k.Get("ffn_config"); ffn != nullptr) {
+    if (!ffn->is_object() || ffn->value("ffn_type", "mptmlp") != "mptmlp" ||
+        ffn->value("fc_type", "torch") != "torch" || ffn->size() > (ffn->contains("fc_type") ? 2u : 1u)) {
+      return k.Error("ffn_config", absl::StrCat("is ", ffn->dump(), "; relgen serves only {\"ffn_type\": \"mptmlp\"}"));
+    }
+  }
+  // Training-time only: dropout, initialisation, where weights are made, logging; the embedding
+  // fraction scales a gradient, not the forward value; the tokenizer is read from tokenizer.json;
+  // learned positions are not used where ALiBi is (checked below).
+  k.Ignore({"resid_pdrop", "emb_pdrop", "embedding_fraction", "init_device", "init_config", "verbose",
+            "tokenizer_name", "learned_pos_emb", "use_pad_tok_in_ffn"});
+  if (const json* a = k.Get("attn_config"); a != nullptr) {
+    if (!a->is_object()) return k.Error("attn_config", "must be an object");
+    Keys ak(*a, "config.json: attn_config");
+    s.Update(ak.Only("attn_type", {"multihead_attention"}, "multi-query attention is not implemented"));
+    s.Update(ak.Only("alibi", {true}, "without ALiBi MPT uses learned positions, which transformers does not implement"));
+    s.Update(ak.Only("qk_ln", {false}, "LayerNorm on queries and keys is not implemented (transformers ignores it)"));
+    s.Update(ak.Only("clip_qkv", {}, "clipping the QKV projection is not implemented"));
+    s.Update(ak.Only("prefix_lm", {false}, "prefix-LM (bidirectional prompt) attention is not implemented"));
+    s.Update(ak.Only("rope", {false}, "rotary embeddings are not implemented"));
+    s.Update(ak.Only("sliding_window_size", {-1}, "sliding-window attention is not implemented"));
+    s.Update(ak.Only("kv_n_heads", {c.n_heads}, "grouped-query attention is not implemented"));
+    s.Update(ak.Only("fused_qkv", {true}, "unfused QKV weights are not implemented"));
+    s.Update(ak.Only("attn_logit_softcapping", {}, "softcapped logits are not implemented"));
+    float scale = 0.f;
+    s.Update(ak.PositiveFloat("softmax_scale", &scale));
+    if (scale > 0.f) c.attention_scale = scale;
+    s.Update(ak.PositiveFloat("alibi_bias_max", &c.rel.alibi_bias_max));
+    // Implementation choice, dropout, packing of several documents per row (not served), and the
+    // rotary options that apply only with rope.
+    ak.Ignore({"model_type", "attn_impl", "attn_pdrop", "attn_uses_sequence_id", "rope_theta", "rope_impl", "rope_dail_config",
+               "rope_hf_config"});
+    s.Update(ak.RefuseUnknown("mpt"));
+  }
+  if (!s.ok()) return s;
+  c.head_dim = c.d_model / c.n_heads;
+  c.ffn_dim = expansion * c.d_model;
+  c.ffn_activation = cpu::Activation::kGelu;
+  c.norm = NormKind::kLayerNorm;
+  c.norm_placement = NormPlacement::kPre;
+  c.linear_bias = !no_bias;
+  c.norm_bias = !no_bias;  // transformers drops norm biases; llm-foundry has them with no_bias false
+  c.rel.scheme = relpos::Scheme::kAlibi;
+  c.rel.scale_with_qk = false;  // QK^T * softmax_scale + alibi
+  f.embed = "wte.weight";
+  f.globals = {{"embed.weight", {"wte.weight"}},
+               {"final_norm.weight", {"norm_f.weight"}},
+               {"final_norm.bias", {"norm_f.bias"}}};
+  f.layer_source = [](const std::string& rest, int l) -> Source {
+    const std::string p = absl::StrCat("blocks.", l, ".");
+    static const std::map<std::string, std::pair<std::string, int>> kMap = {
+        {"attn_norm", {"norm_1", -1}},         {"attn.q", {"attn.Wqkv", 0}},
+        {"attn.k", {"attn.Wqkv", 1}},          {"attn.v", {"attn.Wqkv", 2}},
+        {"attn.o", {"attn.out_proj", -1}},     {"ffn_norm", {"norm_2", -1}},
+        {"ffn.up", {"ffn.up_proj", -1}},       {"ffn.down", {"ffn.down_proj", -1}}};
+    const size_t dot = rest.rfind('.');
+    auto it = kMap.find(rest.substr(0, dot));
+    if (it == kMap.end()) return {};
+    const auto& [name, part] = it->second;
+    return {p + name + rest.substr(dot), part < 0 ? Split::kNone : Split::kChunked, std::max(part, 0)};
+  };
+  return absl::OkStatus();
+}
+
+std::string ShapeStr(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+}  // namespace
+
+absl::StatusOr<bool> IsHfCheckpoint(const std::string& dir) {
+  if (!fs::exists(dir)) return absl::NotFoundError(absl::StrCat("model directory ", dir, " does not exist"));
+  std::ifstream in(dir + "/config.json", std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open model config ", dir, "/config.json"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  // Unparseable text is left to relgen's own parser, whose message says where it broke.
+  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  return !j.is_discarded() && j.is_object() && j.contains("model_type");
+}
+
+absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
+  const std::string config_path = dir + "/config.json";
+  auto j = ReadJsonFile(config_path);
+  if (!j.ok()) return j.status();
+  const json& mt = (*j)["model_type"];
+  const std::string model_type = mt.is_string() ? mt.get<std::string>() : mt.dump();
+  HfCheckpoint out;
+  ModelConfig& c = out.config;
+  c.source = "hf:" + model_type;
+  c.name = fs::path(dir).lexically_normal().filename().string();
+  if (c.name.empty()) c.name = fs::path(dir).lexically_normal().parent_path().filename().string();
+  Keys keys(*j, config_path);
+  Family family;
+  absl::Status s;
+  c.tie_embeddings = true;  // PretrainedConfig's default
+  if (model_type == "bloom") {
+    s = MapBloom(keys, c, family);
+  } else if (model_type == "mpt") {
+    s = MapMpt(keys, c, family);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(config_path, ": model_type '", model_type,
+                                                   "' is not served by relgen; Hugging Face checkpoints of "
+                                                   "model_type bloom and mpt are (docs/models.md)"));
+  }
+  if (!s.ok()) return s;
+  if (auto st = GenericKeys(keys); !st.ok()) return st;
+  if (auto st = TokenIds(keys, c); !st.ok()) return st;
+  if (auto st = keys.RefuseUnknown(model_type); !st.ok()) return st;
+  if (c.attention_scale == 0.0f) c.attention_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+
+  // generation_config.json, where present, has the final word on the special ids.
+  const std::string gen_path = dir + "/generation_config.json";
+  if (fs::exists(gen_path)) {
+    auto g = ReadJsonFile(gen_path);
+    if (!g.ok()) return g.status();
+    Keys gk(*g, gen_path);
+    if (auto st = TokenIds(gk, c); !st.ok()) return st;
+  }
+  if (!fs::exists(dir + "/tokenizer.json")) {
+    return absl::NotFoundError(absl::StrCat(dir, ": no tokenizer.json (the Hugging Face tokenizer of the checkpoint, "
+                                            "as downloaded with it)"));
+  }
+  c.tokenizer = TokenizerKind::kBpe;
+  c.bos_before_text = false;  // tokenizer.json's post-processor adds what the model expects
+  c.tokenizer_file = "tokenizer.json";
+
+  auto weights = Weights::Open(dir);
+  if (!weights.ok()) return weights.status();
+  const std::string prefix = weights->Find("transformer." + family.embed) != nullptr ? "transformer." : "";
+  std::set<std::string> used;
+  std::map<std::string, std::vector<float>> converted;  // by Hugging Face name: a fused QKV serves three
+  const std::vector<TensorSpec> specs = ExpectedTensors(c);
+  for (const TensorSpec& spec : specs) {
+    Source src;
+    if (auto g = family.globals.find(spec.name); g != family.globals.end()) {
+      src = g->second;
+    } else if (spec.name == "lm_head.weight") {
+      src = {"lm_head.weight"};
+    } else if (spec.name.rfind("layers.", 0) == 0) {
+      const size_t dot = spec.name.find('.', 7);
+      src = family.layer_source(spec.name.substr(dot + 1), std::stoi(spec.name.substr(7, dot - 7)));
+    }
+    if (src.name.empty()) return absl::InternalError(absl::StrCat("no source for tensor ", spec.name));
+    const std::string name = src.name == "lm_head.weight" ? src.name : prefix + src.name;
+    const TensorInfo* t = weights->Find(name);
+    std::vector<int64_t> shape = spec.shape;
+    if (src.split != Split::kNone) shape[0] *= 3;
+    if (t == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(dir, ": missing tensor '", name, "' ", ShapeStr(shape), " (",
+                                                     c.source, ", ", c.linear_bias ? "with" : "without",
+                                                     " biases, ", c.tie_embeddings ? "tied" : "untied", " head)"));
+    }
+    if (auto st = CheckFloatTensor(*t, name, shape, weights->FileOf(name)); !st.ok()) return st;
+    used.insert(name);
+    auto it = converted.find(name);
+    if (it == converted.end()) {
+      auto v = ToFloat32(*t);
+      if (!v.ok()) return v.status();
+      it = converted.emplace(name, *std::move(v)).first;
+    }
+    if (src.split == Split::kNone) {  // each whole tensor serves once
+      out.tensors.emplace(spec.name, std::move(it->second));
+      converted.erase(it);
+      continue;
+    }
+    const std::vector<float>& all = it->second;
+    // Rows of the fused projection: BLOOM interleaves per head ([heads, 3, head_dim]); MPT chunks
+    // ([3, heads * head_dim]). A bias is a matrix of one column.
+    const int64_t cols = shape.size() > 1 ? shape[1] : 1;
+    const int64_t hd = c.head_dim, w = c.qkv_width();
+    std::vector<float> part(static_cast<size_t>(w * cols));
+    for (int64_t r = 0; r < w; ++r) {
+      const int64_t from = src.split == Split::kChunked ? src.part * w + r : (r / hd * 3 + src.part) * hd + r % hd;
+      std::copy_n(all.begin() + from * cols, cols, part.begin() + r * cols);
+    }
+    out.tensors.emplace(spec.name, std::move(part));
+  }
+  // A tied head may still be stored; transformers ties it to the embedding regardless.
+  if (c.tie_embeddings && weights->Find("lm_head.weight") != nullptr) used.insert("lm_head.weight");
+  for (const std::string& name : weights->Names()) {
+    if (!used.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat(weights->FileOf(name), ": unexpected tensor '", name,
+                                                     "': the ", c.source, " mapping does not use it, so the "
+                                                     "checkpoint is not the model relgen would serve"));
+    }
+  }
+  const TensorInfo* embed = weights->Find(prefix + family.embed);
+  out.file_dtype = embed->dtype;
+  return out;
+}
+
+}  // namespace relgen
