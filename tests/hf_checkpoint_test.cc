@@ -87,8 +87,8 @@ TEST_P(HfCheckpointTest, ShardedEqualsUnshardedBitwise) {
   ASSERT_TRUE(sharded.ok()) << sharded.status();
   auto a = Cpu(model_), b = Cpu(*sharded);
   const int vocab = model_->config().vocab_size;
-  const std::vector<float> la = testing::ExpectBackendMatchesHf(*a, prompts_, vocab, kRtol, "unsharded", 8);
-  const std::vector<float> lb = testing::ExpectBackendMatchesHf(*b, prompts_, vocab, kRtol, "sharded", 8);
+  const std::vector<float> la = testing::ExpectBackendMatchesHf(*a, prompts_, vocab, kRtol, "unsharded");
+  const std::vector<float> lb = testing::ExpectBackendMatchesHf(*b, prompts_, vocab, kRtol, "sharded");
   ASSERT_EQ(la.size(), lb.size());
   ASSERT_FALSE(la.empty());
   EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)), 0);

@@ -13,7 +13,6 @@ tokens from transformers' incremental greedy loop over forward with its KV cache
 checkpoints; DIR/manifest.json lists all of it with what each broken one must be refused for.
 """
 import argparse
-import glob
 import json
 import math
 import os
@@ -23,25 +22,15 @@ import sys
 
 import torch
 import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_testdata  # noqa: E402
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 NEW_TOKENS = 64
 PROMPT_LENGTHS = [1, 5, 17, 40, 90]
 BLOOM_SPLIT = " ?[^(\\s|[.,!?…。，、।۔،])]+"
-
-
-def fortunes():
-    paths = sorted(glob.glob("/usr/share/games/fortunes/*"))
-    text = []
-    for p in paths:
-        if p.endswith((".dat", ".u8")) or os.path.isdir(p):
-            continue
-        with open(p, encoding="utf-8", errors="replace") as f:
-            text.append(f.read())
-    if not text:
-        sys.exit("no fortunes under /usr/share/games/fortunes (apt-get install fortunes)")
-    return "\n".join(text).split("\n%\n")
 
 
 def train_tokenizer(texts, style):
@@ -149,31 +138,11 @@ def make_model(family, overrides, extras, vocab, special_ids, seed):
 
 def write_bad(out, good, family, manifest):
     """Broken copies of a good checkpoint, each with what relgen must say when it refuses it."""
-    bad_root = os.path.join(out, "bad")
-    os.makedirs(bad_root, exist_ok=True)
-
-    def copy(name, src=good):
-        d = os.path.join(bad_root, name)
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(src, d)
-        return d
-
-    def edit_config(d, fn):
-        p = os.path.join(d, "config.json")
-        with open(p) as f:
-            c = json.load(f)
-        fn(c)
-        with open(p, "w") as f:
-            json.dump(c, f, indent=2)
-
-    def expect(name, d, *substrings):
-        manifest["bad"].append({"name": name, "dir": d, "expect": list(substrings)})
-
+    bad = hf_testdata.BrokenCopies(out, good, manifest)
+    copy, edit_config, expect = bad.copy, bad.edit_config, bad.expect
     sharded = good + "-sharded"
-    d = copy(f"{family}-missing-shard", sharded)
-    shards = sorted(glob.glob(os.path.join(d, "model-*.safetensors")))
-    os.remove(shards[-1])
-    expect(f"{family}-missing-shard", d, os.path.basename(shards[-1]), "not in")
+    bad.missing_shard(f"{family}-missing-shard")
+    bad.unknown_key(f"{family}-unknown-key")
 
     d = copy(f"{family}-index-names-missing-tensor", sharded)
     p = os.path.join(d, "model.safetensors.index.json")
@@ -188,10 +157,6 @@ def write_bad(out, good, family, manifest):
     d = copy(f"{family}-unknown-model-type")
     edit_config(d, lambda c: c.update(model_type="gpt_bigcode"))
     expect(f"{family}-unknown-model-type", d, "gpt_bigcode", "bloom and mpt")
-
-    d = copy(f"{family}-unknown-key")
-    edit_config(d, lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}))
-    expect(f"{family}-unknown-key", d, "rope_scaling", "not known to relgen")
 
     d = copy(f"{family}-math-key")
     if family == "bloom":
@@ -238,7 +203,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
-    texts = fortunes()
+    texts = hf_testdata.fortunes()
     rng = random.Random(7)
     manifest = {"transformers": transformers.__version__, "new_tokens": NEW_TOKENS, "cases": [], "bad": []}
     tokenizers_by_style = {s: train_tokenizer(texts, s) for s in ("bloom", "mpt")}
