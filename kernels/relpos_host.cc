@@ -91,6 +91,14 @@ std::vector<int32_t> T5BucketTable(int num_buckets, int max_distance, bool bidir
   return table;
 }
 
+std::vector<int32_t> T5SignedBucketTable(int num_buckets, int max_distance) {
+  std::vector<int32_t> table(2 * static_cast<size_t>(max_distance) + 1);
+  for (int r = -max_distance; r <= max_distance; ++r) {
+    table[r + max_distance] = T5Bucket(r, num_buckets, max_distance, /*bidirectional=*/true);
+  }
+  return table;
+}
+
 std::vector<float> AlibiSlopes(int num_heads, double max_bias) {
   int p = 1;
   while (p < num_heads) p *= 2;

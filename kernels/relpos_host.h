@@ -16,6 +16,9 @@ int T5Bucket(int relative_position, int num_buckets, int max_distance, bool bidi
 
 // Bucket of each causal distance 0..max_distance (every larger distance maps to the last entry).
 std::vector<int32_t> T5BucketTable(int num_buckets, int max_distance, bool bidirectional);
+// Bidirectional buckets of each relative position r = key_pos - query_pos in
+// [-max_distance, max_distance], at index r + max_distance (farther positions clamp to the ends).
+std::vector<int32_t> T5SignedBucketTable(int num_buckets, int max_distance);
 
 // ALiBi slopes: for n a power of two, 2^(-max_bias(h+1)/n); otherwise the slopes of the next power
 // of two P above n, the even-numbered ones (h = 2, 4, ...) first, then the odd, the first n kept.

@@ -163,5 +163,71 @@ INSTANTIATE_TEST_SUITE_P(
                       KernelCase{relpos::Scheme::kT5, 0, 0, false, false, false},
                       KernelCase{relpos::Scheme::kAlibi, 0, 0, false, false, false}));
 
+// T5's bidirectional bucket of relative position r = key - query, written from the definition
+// (logarithmic buckets past max_exact, one half of the buckets per direction) in double.
+int T5BidirectionalBucket(int r, int num_buckets, int max_distance) {
+  const int half = num_buckets / 2, max_exact = half / 2;
+  const int offset = r > 0 ? half : 0;
+  const int n = std::abs(r);
+  if (n < max_exact) return offset + n;
+  const int b = max_exact + static_cast<int>(std::log(static_cast<double>(n) / max_exact) /
+                                             std::log(static_cast<double>(max_distance) / max_exact) *
+                                             (half - max_exact));
+  return offset + std::min(b, half - 1);
+}
+
+// An encoder's self-attention: every query sees every key, with T5's bidirectional bias (distances
+// past max_distance included) or none, K/V in scattered blocks.
+TEST(AttentionBidirectionalTest, MatchesDefinition) {
+  const int H = 3, hd = 8, L = 45, W = H * hd, bs = 4, nb = 16, md = 20;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  auto randv = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = nd(rng);
+    return v;
+  };
+  const std::vector<float> q = randv(L * W), k = randv(L * W), v = randv(L * W), bias = randv(H * nb);
+  const std::vector<int32_t> table = relpos::T5SignedBucketTable(nb, md);
+  const int nblocks = (L + bs - 1) / bs;
+  std::vector<int32_t> block_table(nblocks);
+  std::iota(block_table.begin(), block_table.end(), 0);
+  std::shuffle(block_table.begin(), block_table.end(), rng);
+  std::vector<float> kpool(nblocks * H * bs * hd, NAN), vpool(kpool.size(), NAN);
+  cpu::KvView kv{kpool.data(), vpool.data(), block_table.data(), bs, H, hd};
+  cpu::WriteKv(kv, k.data(), v.data(), 0, L);
+  for (bool with_bias : {false, true}) {
+    cpu::RelativeParams rel;
+    rel.scheme = with_bias ? relpos::Scheme::kT5 : relpos::Scheme::kNone;
+    rel.t5_bias = bias.data();
+    rel.t5_num_buckets = nb;
+    rel.t5_bucket_of_distance = table.data();
+    rel.t5_table_len = static_cast<int>(table.size());
+    rel.scale_with_qk = false;
+    const cpu::AttentionDims dims{H, hd, 0.7f};
+    std::vector<float> out(L * W, NAN);
+    cpu::AttentionBidirectional(dims, rel, kv, q.data(), L, out.data());
+    for (int i = 0; i < L; ++i) {
+      for (int h = 0; h < H; ++h) {
+        std::vector<double> logit(L);
+        for (int j = 0; j < L; ++j) {
+          double dot = 0;
+          for (int d = 0; d < hd; ++d) dot += double{q[i * W + h * hd + d]} * k[j * W + h * hd + d];
+          logit[j] = 0.7 * dot + (with_bias ? bias[h * nb + T5BidirectionalBucket(j - i, nb, md)] : 0.0);
+        }
+        const double mx = *std::max_element(logit.begin(), logit.end());
+        double sum = 0;
+        for (double& x : logit) sum += (x = std::exp(x - mx));
+        for (int d = 0; d < hd; ++d) {
+          double want = 0;
+          for (int j = 0; j < L; ++j) want += logit[j] / sum * v[j * W + h * hd + d];
+          ASSERT_NEAR(out[i * W + h * hd + d], want, 1e-5 * (1 + std::abs(want)))
+              << (with_bias ? "t5" : "none") << " query " << i << " head " << h << " dim " << d;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace relgen

@@ -225,4 +225,33 @@ void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const
   }
 }
 
+void AttentionBidirectional(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
+                            const float* q, int n, float* out, int head_begin, int head_end) {
+  if (head_end < 0) head_end = dims.n_heads;
+  const int hd = dims.head_dim, width = dims.n_heads * hd;
+  const float rel_mult = rel.scale_with_qk ? dims.scale : 1.0f;
+  const int half = rel.t5_table_len / 2;
+  float* p = Sized(ThreadScratch().row, n);
+  for (int i = 0; i < n; ++i) {
+    for (int h = head_begin; h < head_end; ++h) {
+      const float* qh = q + int64_t{i} * width + h * hd;
+      for (int j = 0; j < n; ++j) p[j] = dims.scale * Dot(qh, kv.KeyRow(h, j), hd);
+      if (rel.scheme == relpos::Scheme::kT5) {
+        const float* bias = rel.t5_bias + (rel.heads_share ? 0 : h * rel.t5_num_buckets);
+        for (int j = 0; j < n; ++j) {
+          p[j] += rel_mult * bias[rel.t5_bucket_of_distance[std::clamp(j - i, -half, half) + half]];
+        }
+      }
+      SoftmaxRows(p, 1, n, n);
+      float* o = out + int64_t{i} * width + h * hd;
+      std::fill(o, o + hd, 0.0f);
+      for (int j = 0; j < n; ++j) {
+        const float w = p[j];
+        const float* v = kv.ValueRow(h, j);
+        for (int d = 0; d < hd; ++d) o[d] += w * v[d];
+      }
+    }
+  }
+}
+
 }  // namespace relgen::cpu

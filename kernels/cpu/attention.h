@@ -72,6 +72,13 @@ void AttentionPrefill(const AttentionDims& dims, const RelativeParams& rel, cons
 void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
                      const float* q, int pos, float* out, int head_begin = 0, int head_end = -1);
 
+// Bidirectional self-attention (an encoder): each of the n queries q [n, n_heads*head_dim] at
+// positions 0..n-1 attends every key 0..n-1 of `kv`. Relative terms: kNone, or kT5 with
+// `t5_bucket_of_distance` a signed table (relpos::T5SignedBucketTable): entry r + t5_table_len/2
+// is the bucket of key_pos - query_pos = r, clamped at both ends. out [n, n_heads*head_dim].
+void AttentionBidirectional(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
+                            const float* q, int n, float* out, int head_begin = 0, int head_end = -1);
+
 // Adds mult * S_rel to scores [lq, lk] (row stride lk) for lq queries whose last row sits at the
 // last of lk keys (query i at key index i + lk - lq), from a skew table e [m, hd] whose row r holds
 // distance m-1-r (distances >= m contribute zero). Computes one Q*E^T product over the distances
