@@ -526,6 +526,7 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
       std::copy_n(all.begin() + from * cols, cols, part.begin() + r * cols);
     }
     out.tensors.emplace(spec.name, std::move(part));
+    if (src.part == 2) converted.erase(it);  // v is the fused tensor's last use
   }
   // A tied head may still be stored; transformers ties it to the embedding regardless.
   if (c.tie_embeddings && weights->Find("lm_head.weight") != nullptr) used.insert("lm_head.weight");
