@@ -415,8 +415,6 @@ absl::Status MapMpt(Keys& k, ModelConfig& c, Family& f) {
   return absl::OkStatus();
 }
 
-std::string ShapeStr(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
-
 }  // namespace
 
 absl::StatusOr<bool> IsHfCheckpoint(const std::string& dir) {

@@ -10,11 +10,8 @@
 #include "kernels/relpos_host.h"
 
 namespace relgen {
-namespace {
 
 std::string ShapeStr(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
-
-}  // namespace
 
 std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
   const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim, v = c.vocab_size;

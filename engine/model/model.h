@@ -20,6 +20,9 @@ struct TensorSpec {
   std::vector<int64_t> shape;
 };
 
+// "[d0, d1, ...]", for messages.
+std::string ShapeStr(const std::vector<int64_t>& shape);
+
 // Refuses a tensor that is not F32/F16/BF16 or not of `shape`; `origin` names the file in the message.
 absl::Status CheckFloatTensor(const TensorInfo& t, absl::string_view name, const std::vector<int64_t>& shape,
                               absl::string_view origin);
