@@ -101,12 +101,15 @@ int Main(int argc, char** argv) {
       std::printf("%s\n", Json(info).c_str());
     } else {
       std::printf("model %s: %s relative attention, %d layers, d_model %d, %d heads x %d, ffn %d, vocab %d, "
-                  "context %d, %lld parameters (%s), tokenizer %s, on %s, KV cache %lld tokens; %s from %s\n",
+                  "context %d, %lld parameters (%s), tokenizer %s, on %s, KV cache %lld tokens; %s from %s%s\n",
                   info.name().c_str(), info.relative_attention().scheme().c_str(), info.n_layers(), info.d_model(),
                   info.n_heads(), info.head_dim(), info.ffn_dim(), info.vocab_size(), info.max_seq_len(),
                   static_cast<long long>(info.num_parameters()), info.weights_dtype().c_str(), info.tokenizer().c_str(),
                   info.device().c_str(), static_cast<long long>(info.kv_cache_tokens()), info.architecture().c_str(),
-                  info.source().c_str());
+                  info.source().c_str(),
+                  info.encoder_decoder()
+                      ? ("; encoder-decoder, " + std::to_string(info.n_encoder_layers()) + " encoder layers").c_str()
+                      : "");
     }
     return 0;
   }

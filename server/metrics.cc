@@ -99,6 +99,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   generation_tokens_hist_ = hist("relgen_request_generation_tokens", "Generated tokens per request.", kTokenBuckets);
   batch_size_ = hist("relgen_batch_size", "Sequences per engine step.", kBatchBuckets);
   prompt_tokens_ = counter("relgen_prompt_tokens_total", "Prompt tokens of finished requests.");
+  encoder_tokens_ = counter("relgen_encoder_tokens_total",
+                            "Input tokens encoded by an encoder-decoder model (again after a preemption too).");
   generation_tokens_ = counter("relgen_generation_tokens_total", "Generated tokens.");
   preemptions_ = counter("relgen_preemptions_total", "Sequences preempted for lack of KV cache (recomputed later).");
   received_ = counter("relgen_requests_received_total",
@@ -148,6 +150,8 @@ void Metrics::OnRefused(grpc::StatusCode code) {
 void Metrics::OnStep(int num_seqs, int) { batch_size_->Observe(num_seqs); }
 
 void Metrics::OnPreemptions(int count) { preemptions_->Increment(count); }
+
+void Metrics::OnEncoded(int tokens) { encoder_tokens_->Increment(tokens); }
 
 void Metrics::OnToken(absl::Duration since_previous) {
   generation_tokens_->Increment();

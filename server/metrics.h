@@ -49,6 +49,7 @@ class Metrics final : public EngineObserver {
 
   void OnStep(int num_seqs, int num_tokens) override;
   void OnPreemptions(int count) override;
+  void OnEncoded(int tokens) override;
   void OnToken(absl::Duration since_previous) override;
   void OnFinished(const RequestSummary& summary) override;
 
@@ -68,6 +69,7 @@ class Metrics final : public EngineObserver {
   prometheus::Histogram* generation_tokens_hist_;
   prometheus::Histogram* batch_size_;
   prometheus::Counter* prompt_tokens_;
+  prometheus::Counter* encoder_tokens_;
   prometheus::Counter* generation_tokens_;
   prometheus::Counter* preemptions_;
   prometheus::Counter* stream_write_timeouts_;

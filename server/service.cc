@@ -420,6 +420,9 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
                                                                      : "bpe");
   info->set_architecture(c.architecture);
   info->set_source(c.source);
+  info->set_encoder_decoder(c.encoder_decoder);
+  info->set_n_encoder_layers(c.n_encoder_layers);
+  info->set_decoder_start_token_id(c.decoder_start_token_id);
   info->set_bos_token_id(c.bos_token_id);
   info->set_eos_token_id(c.eos_token_id);
   info->set_num_parameters(engine->model().num_parameters());

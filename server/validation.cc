@@ -44,7 +44,11 @@ grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c
       return Invalid("prompt", "missing; set text or token_ids");
   }
   const int n = static_cast<int>(out->prompt.size());
-  if (n >= c.max_seq_len) {
+  if (c.encoder_decoder && n > c.max_seq_len) {
+    return Invalid(in.has_text() ? "text" : "token_ids",
+                   absl::StrCat("the input is ", n, " tokens; the model's encoder takes at most ", c.max_seq_len));
+  }
+  if (!c.encoder_decoder && n >= c.max_seq_len) {
     return Invalid(in.has_text() ? "text" : "token_ids",
                    absl::StrCat("the prompt is ", n, " tokens; the model's context is ", c.max_seq_len,
                                 " tokens, so at most ", c.max_seq_len - 1, " prompt tokens"));
@@ -53,7 +57,11 @@ grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c
   if (max_new < 1 || max_new > options.max_new_tokens) {
     return Invalid("max_new_tokens", absl::StrCat(max_new, "; allowed 1..", options.max_new_tokens));
   }
-  if (n + max_new > c.max_seq_len) {
+  if (c.encoder_decoder && max_new > c.max_seq_len) {
+    return Invalid("max_new_tokens", absl::StrCat(max_new, " exceeds the model's decoder context of ", c.max_seq_len,
+                                                  " tokens; allowed 1..", c.max_seq_len));
+  }
+  if (!c.encoder_decoder && n + max_new > c.max_seq_len) {
     return Invalid("max_new_tokens", absl::StrCat(max_new, " after a prompt of ", n, " tokens exceeds the model's context of ",
                                                   c.max_seq_len, " tokens; allowed 1..", c.max_seq_len - n));
   }

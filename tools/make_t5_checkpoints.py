@@ -23,6 +23,7 @@ DIR/manifest.json lists all of it with what each broken one must be refused for,
 transformers' float32 relative-position buckets differ from exact arithmetic.
 """
 import argparse
+import copy
 import glob
 import io
 import json
@@ -217,6 +218,45 @@ def write_bad(out, good, prefix, manifest):
     expect(f"{prefix}-no-spiece", d, "spiece.model")
 
 
+def write_case(out, name, model, tok, inputs, results, text, text_ids, text_result, seed, dtype="F32"):
+    """Saves the checkpoint (whole and sharded) and its reference; returns its manifest entry."""
+    d = os.path.join(out, name)
+    for out_dir in (d, d + "-sharded"):
+        shutil.rmtree(out_dir, ignore_errors=True)
+    model.save_pretrained(d, safe_serialization=True)
+    shard = sum(p.numel() * p.element_size() for p in model.state_dict().values()) // 5
+    model.save_pretrained(d + "-sharded", safe_serialization=True, max_shard_size=shard)
+    for out_dir in (d, d + "-sharded"):
+        tok.save_pretrained(out_dir)
+        assert os.path.exists(os.path.join(out_dir, "spiece.model"))
+    assert len(glob.glob(os.path.join(d + "-sharded", "model-*.safetensors"))) >= 3
+    ref = {}
+    for i, (ids, (tokens, logits, enc, _)) in enumerate(zip(inputs, results)):
+        ref[f"input_{i}"] = torch.tensor(ids, dtype=torch.int32)
+        ref[f"greedy_{i}"] = torch.tensor(tokens, dtype=torch.int32)
+        ref[f"logits_{i}"] = logits.float().contiguous()
+        ref[f"encoder_out_{i}"] = enc.float().contiguous()
+    reference = os.path.join(out, f"{name}.reference.safetensors")
+    save_file(ref, reference)
+    c = model.config
+    margin = min(r[3] for r in results + [text_result])
+    print(f"{name}: seed {seed}, greedy margin >= {margin:.4f}, {dtype}, "
+          f"{sum(p.numel() for p in model.parameters())} parameters", flush=True)
+    return {
+        "name": name, "model_type": c.model_type, "dir": d, "sharded_dir": d + "-sharded", "dtype": dtype,
+        "reference": reference, "inputs": len(inputs), "seed": seed, "greedy_margin": margin,
+        "vocab_size": c.vocab_size, "tied": bool(c.tie_word_embeddings), "d_model": c.d_model,
+        "d_kv": c.d_kv, "d_ff": c.d_ff, "num_heads": c.num_heads, "num_layers": c.num_layers,
+        "num_decoder_layers": c.num_decoder_layers, "feed_forward_proj": c.feed_forward_proj,
+        "relative_attention_num_buckets": c.relative_attention_num_buckets,
+        "relative_attention_max_distance": c.relative_attention_max_distance,
+        "decoder_start_token_id": c.decoder_start_token_id, "eos_token_id": c.eos_token_id,
+        "text": text, "text_ids": text_ids, "text_greedy": text_result[0],
+        "text_greedy_decoded": tok.decode(text_result[0], skip_special_tokens=True),
+        "bucket_differences": bucket_differences(c.relative_attention_num_buckets,
+                                                 c.relative_attention_max_distance)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -268,44 +308,26 @@ def main():
             else:
                 sys.exit(f"{name}: no seed with clear greedy choices")
             text_result = results.pop()
-            margin = min(r[3] for r in results + [text_result])
-            d = os.path.join(args.out, name)
-            for out_dir in (d, d + "-sharded"):
-                shutil.rmtree(out_dir, ignore_errors=True)
-            model.save_pretrained(d, safe_serialization=True)
-            shard = sum(p.numel() for p in model.state_dict().values()) * 4 // 5
-            model.save_pretrained(d + "-sharded", safe_serialization=True, max_shard_size=shard)
-            for out_dir in (d, d + "-sharded"):
-                tok.save_pretrained(out_dir)
-                assert os.path.exists(os.path.join(out_dir, "spiece.model"))
-            assert len(glob.glob(os.path.join(d + "-sharded", "model-*.safetensors"))) >= 3
-            ref = {}
-            for i, (ids, (tokens, logits, enc, _)) in enumerate(zip(inputs, results)):
-                ref[f"input_{i}"] = torch.tensor(ids, dtype=torch.int32)
-                ref[f"greedy_{i}"] = torch.tensor(tokens, dtype=torch.int32)
-                ref[f"logits_{i}"] = logits.float().contiguous()
-                ref[f"encoder_out_{i}"] = enc.float().contiguous()
-            reference = os.path.join(args.out, f"{name}.reference.safetensors")
-            save_file(ref, reference)
-            c = model.config
-            text_greedy = text_result[0]
-            manifest["cases"].append({
-                "name": name, "model_type": c.model_type, "dir": d, "sharded_dir": d + "-sharded",
-                "reference": reference, "inputs": len(inputs), "seed": seed, "greedy_margin": margin,
-                "vocab_size": c.vocab_size, "tied": bool(c.tie_word_embeddings), "d_model": c.d_model,
-                "d_kv": c.d_kv, "d_ff": c.d_ff, "num_heads": c.num_heads, "num_layers": c.num_layers,
-                "num_decoder_layers": c.num_decoder_layers, "feed_forward_proj": c.feed_forward_proj,
-                "relative_attention_num_buckets": c.relative_attention_num_buckets,
-                "relative_attention_max_distance": c.relative_attention_max_distance,
-                "decoder_start_token_id": c.decoder_start_token_id, "eos_token_id": c.eos_token_id,
-                "text": text, "text_ids": text_ids, "text_greedy": text_greedy,
-                "text_greedy_decoded": tok.decode(text_greedy, skip_special_tokens=True),
-                "bucket_differences": bucket_differences(c.relative_attention_num_buckets,
-                                                         c.relative_attention_max_distance)})
-            print(f"{name}: seed {seed}, greedy margin >= {margin:.4f}, "
-                  f"{sum(p.numel() for p in model.parameters())} parameters", flush=True)
+            manifest["cases"].append(write_case(args.out, name, model, tok, inputs, results, text, text_ids,
+                                                text_result, seed))
+            if name == "t5-v1_1":
+                # The same weights stored as float16: relgen widens them to float32 at load, so the
+                # reference is transformers in float32 on the f16-rounded weights.
+                half = copy.deepcopy(model).half()
+                rounded = copy.deepcopy(half).float().eval()
+                results = [greedy(rounded, ids) for ids in inputs + [text_ids]]
+                text_result = results.pop()
+                assert min(r[3] for r in results + [text_result]) > 1e-4, "f16 copy: near-tie"
+                manifest["cases"].append(write_case(args.out, name + "-f16", half, tok, inputs, results, text,
+                                                    text_ids, text_result, seed, dtype="F16"))
+        # Texts with sentinels, as T5's span-corruption inputs have them.
+        manifest["sentinel_texts"] = [
+            {"text": t, "ids": encode(t, special=True)}
+            for t in ("The <extra_id_0> walks in <extra_id_1> park", "<extra_id_0>", "a<extra_id_7>b <extra_id_1>.",
+                      "not a sentinel: <extra_id_99> <extra_id_x>")]
     for prefix in ("t5", "mt5"):
-        good = next(c["dir"] for c in manifest["cases"] if c["model_type"] == prefix and not c["tied"])
+        good = next(c["dir"] for c in manifest["cases"]
+                    if c["model_type"] == prefix and not c["tied"] and c["dtype"] == "F32")
         write_bad(args.out, good, prefix, manifest)
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, ensure_ascii=False)

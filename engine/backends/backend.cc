@@ -6,8 +6,31 @@
 namespace relgen {
 
 absl::Status ValidateSteps(absl::Span<const SequenceStep> steps, int vocab_size, int max_seq_len,
-                           const KvCacheConfig& kv) {
+                           const KvCacheConfig& kv, bool encoder_decoder) {
   for (const SequenceStep& s : steps) {
+    const int64_t cross_capacity = int64_t{kv.block_size} * static_cast<int64_t>(s.cross_block_table.size());
+    if (!encoder_decoder && (s.encoder_len != 0 || !s.encoder_tokens.empty() || !s.cross_block_table.empty())) {
+      return absl::InvalidArgumentError("a decoder-only model's step carries an encoder input");
+    }
+    if (encoder_decoder) {
+      if (s.encoder_len < 1 || s.encoder_len > max_seq_len || s.encoder_len > cross_capacity ||
+          (!s.encoder_tokens.empty() && static_cast<int>(s.encoder_tokens.size()) != s.encoder_len)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "encoder input of ", s.encoder_len, " tokens (", s.encoder_tokens.size(), " given) with ", cross_capacity,
+            " cross-attention cache slots; allowed 1..", max_seq_len, " tokens, all given or none"));
+      }
+      for (int32_t b : s.cross_block_table) {
+        if (b < 0 || b >= kv.num_blocks) {
+          return absl::InvalidArgumentError(absl::StrCat("KV block ", b, " outside the pool of ", kv.num_blocks));
+        }
+      }
+      for (int32_t t : s.encoder_tokens) {
+        if (t < 0 || t >= vocab_size) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("encoder token id ", t, " out of range; allowed 0..", vocab_size - 1));
+        }
+      }
+    }
     const int n = static_cast<int>(s.tokens.size());
     if (n == 0) return absl::InvalidArgumentError("a sequence step has no tokens");
     const int64_t capacity = int64_t{kv.block_size} * static_cast<int64_t>(s.block_table.size());

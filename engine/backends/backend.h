@@ -22,6 +22,13 @@ struct SequenceStep {
   int start_pos = 0;
   absl::Span<const int32_t> block_table;
   bool all_logits = false;  // logits for every new token, else for the last one only
+  // Encoder-decoder models. The input's encoder output has encoder_len tokens, whose cross-attention
+  // K/V (every decoder layer's) live in the pool blocks of `cross_block_table`, positions 0.. as in
+  // `block_table`. `encoder_tokens` is the input when this step must encode it (the step that admits
+  // the sequence): its K/V are written before the decoder tokens attend to them. Empty otherwise.
+  absl::Span<const int32_t> encoder_tokens;
+  int encoder_len = 0;
+  absl::Span<const int32_t> cross_block_table;
 };
 
 // Bytes a backend holds, by kind.
@@ -34,7 +41,7 @@ struct BackendMemory {
 // Checks what every backend requires of a step: tokens present and in the vocabulary, positions
 // inside the sequence's blocks and the model's context, blocks inside the pool.
 absl::Status ValidateSteps(absl::Span<const SequenceStep> steps, int vocab_size, int max_seq_len,
-                           const KvCacheConfig& kv);
+                           const KvCacheConfig& kv, bool encoder_decoder = false);
 
 class Backend {
  public:

@@ -24,9 +24,8 @@ class CpuBackend final : public Backend {
     dims_.n_heads = c.n_heads;
     dims_.head_dim = c.head_dim;
     dims_.scale = c.attention_scale;
-    for (int l = 0; l < c.n_layers; ++l) {
-      const LayerWeights& lw = model_->layer(l);
-      PackedLayer& pl = packed_.emplace_back();
+    auto pack = [&](const LayerWeights& lw) {
+      PackedLayer pl;
       pl.q = cpu::PackedMatrix(lw.wq, w, d);
       pl.k = cpu::PackedMatrix(lw.wk, w, d);
       pl.v = cpu::PackedMatrix(lw.wv, w, d);
@@ -34,6 +33,32 @@ class CpuBackend final : public Backend {
       pl.up = cpu::PackedMatrix(lw.w_up, f, d);
       if (lw.w_gate != nullptr) pl.gate = cpu::PackedMatrix(lw.w_gate, f, d);
       pl.down = cpu::PackedMatrix(lw.w_down, d, f);
+      if (lw.cq != nullptr) {
+        pl.cq = cpu::PackedMatrix(lw.cq, w, d);
+        pl.ck = cpu::PackedMatrix(lw.ck, w, d);
+        pl.cv = cpu::PackedMatrix(lw.cv, w, d);
+        pl.co = cpu::PackedMatrix(lw.co, d, w);
+      }
+      return pl;
+    };
+    if (c.encoder_decoder) {
+      for (int l = 0; l < c.n_encoder_layers; ++l) {
+        const LayerWeights& lw = model_->encoder_layer(l);
+        encoder_packed_.push_back(pack(lw));
+        // Bidirectional buckets: the signed table, indexed by key - query + max_distance.
+        cpu::RelativeParams r;
+        r.scheme = c.rel.scheme;
+        r.heads_share = c.rel.heads_share_table;
+        r.t5_bias = lw.rel_bias;
+        r.t5_num_buckets = c.rel.num_buckets;
+        r.t5_bucket_of_distance = model_->t5_encoder_bucket_table().data();
+        r.t5_table_len = static_cast<int>(model_->t5_encoder_bucket_table().size());
+        encoder_rel_.push_back(r);
+      }
+    }
+    for (int l = 0; l < c.n_layers; ++l) {
+      const LayerWeights& lw = model_->layer(l);
+      packed_.push_back(pack(lw));
       cpu::RelativeParams r;
       r.scheme = c.rel.scheme;
       r.heads_share = c.rel.heads_share_table;
@@ -68,11 +93,15 @@ class CpuBackend final : public Backend {
   BackendMemory memory() const override {
     BackendMemory m;
     m.weights = model_->float_bytes() + lm_head_.bytes();
-    for (const PackedLayer& p : packed_) {
-      for (const cpu::PackedMatrix* w : {&p.q, &p.k, &p.v, &p.o, &p.up, &p.gate, &p.down}) m.weights += w->bytes();
+    for (const auto* stack : {&packed_, &encoder_packed_}) {
+      for (const PackedLayer& p : *stack) {
+        for (const cpu::PackedMatrix* w : {&p.q, &p.k, &p.v, &p.o, &p.up, &p.gate, &p.down, &p.cq, &p.ck, &p.cv, &p.co}) {
+          m.weights += w->bytes();
+        }
+      }
     }
     m.kv_cache = static_cast<int64_t>(k_pool_.size() + v_pool_.size()) * sizeof(float);
-    for (const std::vector<float>* v : {&x_, &h_, &q_, &k_, &v_, &att_, &tmp_, &up_, &gate_}) {
+    for (const std::vector<float>* v : {&x_, &h_, &q_, &k_, &v_, &att_, &tmp_, &up_, &gate_, &enc_k_, &enc_v_}) {
       m.activations += static_cast<int64_t>(v->capacity()) * sizeof(float);
     }
     return m;
@@ -92,7 +121,17 @@ class CpuBackend final : public Backend {
 
   struct PackedLayer {
     cpu::PackedMatrix q, k, v, o, up, gate, down;
+    cpu::PackedMatrix cq, ck, cv, co;  // cross-attention (encoder-decoder decoder layers)
   };
+  // Scratch of one Forward, [tokens, width] each (the encoder pass uses them first).
+  struct Buffers {
+    float *x, *h, *q, *k, *v, *att, *tmp, *up, *gate;
+  };
+  Buffers Size(int total);
+  // Residual feed-forward block on x [total, d_model].
+  void FeedForward(const LayerWeights& lw, const PackedLayer& pl, int total, const Buffers& b);
+  // Encodes the input of every step that carries one and writes each decoder layer's cross K/V.
+  void Encode(absl::Span<const SequenceStep> steps);
   void Linear(const float* x, int rows, const cpu::PackedMatrix& w, const float* bias, float* y) {
     cpu::LinearPacked(x, rows, w, bias, y, &pool_);
   }
@@ -114,38 +153,136 @@ class CpuBackend final : public Backend {
   int64_t layer_floats_ = 0;
   std::vector<float> k_pool_, v_pool_;
   cpu::ThreadPool pool_;
-  std::vector<PackedLayer> packed_;
+  std::vector<PackedLayer> packed_, encoder_packed_;
   cpu::PackedMatrix lm_head_;
   cpu::AttentionDims dims_;
-  std::vector<cpu::RelativeParams> rel_;
-  // Activations, reused across calls: [tokens, width].
-  std::vector<float> x_, h_, q_, k_, v_, att_, tmp_, up_, gate_;
+  std::vector<cpu::RelativeParams> rel_, encoder_rel_;
+  cpu::RelativeParams cross_rel_;  // cross-attention has no relative term
+  // Activations, reused across calls: [tokens, width]; the encoder's own K/V (not cached).
+  std::vector<float> x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, enc_k_, enc_v_;
 };
+
+CpuBackend::Buffers CpuBackend::Size(int total) {
+  const ModelConfig& c = model_->config();
+  const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
+  auto sized = [](std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  };
+  return {sized(x_, total * d),   sized(h_, total * d),   sized(q_, total * w),
+          sized(k_, total * w),   sized(v_, total * w),   sized(att_, total * w),
+          sized(tmp_, total * d), sized(up_, total * f),  c.ffn_gated ? sized(gate_, total * f) : nullptr};
+}
+
+void CpuBackend::FeedForward(const LayerWeights& lw, const PackedLayer& pl, int total, const Buffers& b) {
+  const ModelConfig& c = model_->config();
+  const int64_t n = int64_t{total} * c.ffn_dim;
+  const bool pre = c.norm_placement == NormPlacement::kPre;
+  const float* in = b.x;
+  if (pre) {
+    Norm(b.x, total, lw.ffn_norm_w, lw.ffn_norm_b, b.h);
+    in = b.h;
+  }
+  Linear(in, total, pl.up, lw.b_up, b.up);
+  const float* act = b.up;
+  if (c.ffn_gated) {
+    Linear(in, total, pl.gate, lw.b_gate, b.gate);
+    cpu::ActivateGated(c.ffn_activation, b.gate, b.up, n);
+    act = b.gate;
+  } else {
+    cpu::Activate(c.ffn_activation, b.up, n);
+  }
+  Linear(act, total, pl.down, lw.b_down, b.tmp);
+  cpu::AddInPlace(b.x, b.tmp, int64_t{total} * c.d_model);
+  if (!pre) Norm(b.x, total, lw.ffn_norm_w, lw.ffn_norm_b, b.x);
+}
+
+void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
+  const ModelConfig& c = model_->config();
+  std::vector<int> which, rows;
+  int total = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (steps[i].encoder_tokens.empty()) continue;
+    which.push_back(static_cast<int>(i));
+    rows.push_back(total);
+    total += steps[i].encoder_len;
+  }
+  if (which.empty()) return;
+  const int d = c.d_model, w = c.qkv_width(), heads = c.n_heads;
+  const Buffers b = Size(total);
+  if (static_cast<int64_t>(enc_k_.size()) < int64_t{total} * w) {
+    enc_k_.resize(int64_t{total} * w);
+    enc_v_.resize(int64_t{total} * w);
+  }
+  for (size_t j = 0; j < which.size(); ++j) {
+    const SequenceStep& s = steps[which[j]];
+    cpu::Embedding(model_->embed(), d, s.encoder_tokens.data(), s.encoder_len, c.embedding_scale,
+                   b.x + int64_t{rows[j]} * d);
+  }
+  // Each input's K/V as one contiguous block: attention never crosses inputs.
+  static const int32_t kOneBlock[1] = {0};
+  auto view = [&](size_t j) {
+    cpu::KvView kv;
+    kv.k = enc_k_.data() + int64_t{rows[j]} * w;
+    kv.v = enc_v_.data() + int64_t{rows[j]} * w;
+    kv.block_table = kOneBlock;
+    kv.block_size = steps[which[j]].encoder_len;
+    kv.n_heads = heads;
+    kv.head_dim = c.head_dim;
+    return kv;
+  };
+  for (int l = 0; l < c.n_encoder_layers; ++l) {
+    const LayerWeights& lw = model_->encoder_layer(l);
+    const PackedLayer& pl = encoder_packed_[l];
+    Norm(b.x, total, lw.attn_norm_w, lw.attn_norm_b, b.h);
+    Linear(b.h, total, pl.q, lw.bq, b.q);
+    Linear(b.h, total, pl.k, lw.bk, b.k);
+    Linear(b.h, total, pl.v, lw.bv, b.v);
+    for (size_t j = 0; j < which.size(); ++j) {
+      const int64_t off = int64_t{rows[j]} * w;
+      cpu::WriteKv(view(j), b.k + off, b.v + off, 0, steps[which[j]].encoder_len);
+    }
+    pool_.ParallelFor(static_cast<int>(which.size()) * heads, [&](int begin, int end) {
+      for (int item = begin; item < end; ++item) {
+        const size_t j = item / heads;
+        const int h = item % heads;
+        const int64_t off = int64_t{rows[j]} * w;
+        cpu::AttentionBidirectional(dims_, encoder_rel_[l], view(j), b.q + off, steps[which[j]].encoder_len,
+                                    b.att + off, h, h + 1);
+      }
+    });
+    Linear(b.att, total, pl.o, lw.bo, b.tmp);
+    cpu::AddInPlace(b.x, b.tmp, int64_t{total} * d);
+    FeedForward(lw, pl, total, b);
+  }
+  Norm(b.x, total, model_->encoder_final_norm_w(), model_->encoder_final_norm_b(), b.h);
+  // Every decoder layer's cross-attention keys and values of the encoder output, into the pool.
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& lw = model_->layer(l);
+    Linear(b.h, total, packed_[l].ck, lw.ck_b, b.k);
+    Linear(b.h, total, packed_[l].cv, lw.cv_b, b.v);
+    for (size_t j = 0; j < which.size(); ++j) {
+      const SequenceStep& s = steps[which[j]];
+      const int64_t off = int64_t{rows[j]} * w;
+      cpu::WriteKv(View(l, s.cross_block_table), b.k + off, b.v + off, 0, s.encoder_len);
+    }
+  }
+}
 
 absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
   const ModelConfig& c = model_->config();
-  if (auto st = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_); !st.ok()) return st;
+  if (auto st = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_, c.encoder_decoder); !st.ok()) return st;
+  if (c.encoder_decoder) Encode(steps);
   int total = 0;
   int out_rows = 0;
   for (const SequenceStep& s : steps) {
     total += static_cast<int>(s.tokens.size());
     out_rows += s.all_logits ? static_cast<int>(s.tokens.size()) : 1;
   }
-  const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
-  auto sized = [](std::vector<float>& v, int64_t n) {
-    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-    return v.data();
-  };
-  float* x = sized(x_, int64_t{total} * d);
-  float* h = sized(h_, int64_t{total} * d);
-  float* q = sized(q_, int64_t{total} * w);
-  float* k = sized(k_, int64_t{total} * w);
-  float* v = sized(v_, int64_t{total} * w);
-  float* att = sized(att_, int64_t{total} * w);
-  float* tmp = sized(tmp_, int64_t{total} * d);
-  float* up = sized(up_, int64_t{total} * f);
-  float* gate = c.ffn_gated ? sized(gate_, int64_t{total} * f) : nullptr;
-
+  const int d = c.d_model, w = c.qkv_width();
+  const Buffers b = Size(total);
+  float* const x = b.x;
+  float* const h = b.h;
   {
     int row = 0;
     for (const SequenceStep& s : steps) {
@@ -155,7 +292,10 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
     }
   }
   if (c.embedding_norm) Norm(x, total, model_->embed_norm_w(), model_->embed_norm_b(), x);
+  std::vector<int> rows(steps.size());
+  for (size_t i = 0, row = 0; i < steps.size(); row += steps[i].tokens.size(), ++i) rows[i] = static_cast<int>(row);
   const bool pre = c.norm_placement == NormPlacement::kPre;
+  const int heads = c.n_heads;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& lw = model_->layer(l);
     const float* in = x;
@@ -163,52 +303,52 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
       Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, h);
       in = h;
     }
-    Linear(in, total, packed_[l].q, lw.bq, q);
-    Linear(in, total, packed_[l].k, lw.bk, k);
-    Linear(in, total, packed_[l].v, lw.bv, v);
+    Linear(in, total, packed_[l].q, lw.bq, b.q);
+    Linear(in, total, packed_[l].k, lw.bk, b.k);
+    Linear(in, total, packed_[l].v, lw.bv, b.v);
     // K/V of every new token first, then attention, one (sequence, head) per work item.
-    std::vector<int> rows(steps.size());
-    for (size_t i = 0, row = 0; i < steps.size(); row += steps[i].tokens.size(), ++i) {
-      rows[i] = static_cast<int>(row);
+    for (size_t i = 0; i < steps.size(); ++i) {
       const int64_t off = int64_t{rows[i]} * w;
-      cpu::WriteKv(View(l, steps[i].block_table), k + off, v + off, steps[i].start_pos,
+      cpu::WriteKv(View(l, steps[i].block_table), b.k + off, b.v + off, steps[i].start_pos,
                    static_cast<int>(steps[i].tokens.size()));
     }
-    const int heads = c.n_heads;
     pool_.ParallelFor(static_cast<int>(steps.size()) * heads, [&](int begin, int end) {
       for (int item = begin; item < end; ++item) {
         const SequenceStep& s = steps[item / heads];
-        const int h = item % heads;
+        const int hd = item % heads;
         const int n = static_cast<int>(s.tokens.size());
         const int64_t off = int64_t{rows[item / heads]} * w;
         const cpu::KvView view = View(l, s.block_table);
         if (n == 1) {
-          cpu::AttentionDecode(dims_, rel_[l], view, q + off, s.start_pos, att + off, h, h + 1);
+          cpu::AttentionDecode(dims_, rel_[l], view, b.q + off, s.start_pos, b.att + off, hd, hd + 1);
         } else {
-          cpu::AttentionPrefill(dims_, rel_[l], view, q + off, s.start_pos, n, att + off, h, h + 1);
+          cpu::AttentionPrefill(dims_, rel_[l], view, b.q + off, s.start_pos, n, b.att + off, hd, hd + 1);
         }
       }
     });
-    Linear(att, total, packed_[l].o, lw.bo, tmp);
-    cpu::AddInPlace(x, tmp, int64_t{total} * d);
+    Linear(b.att, total, packed_[l].o, lw.bo, b.tmp);
+    cpu::AddInPlace(x, b.tmp, int64_t{total} * d);
     if (!pre) Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, x);
 
-    in = x;
-    if (pre) {
-      Norm(x, total, lw.ffn_norm_w, lw.ffn_norm_b, h);
-      in = h;
+    if (c.encoder_decoder) {
+      // Cross-attention: each new token attends to every encoder position, with no relative term.
+      Norm(x, total, lw.cross_norm_w, lw.cross_norm_b, h);
+      Linear(h, total, packed_[l].cq, lw.cq_b, b.q);
+      pool_.ParallelFor(static_cast<int>(steps.size()) * heads, [&](int begin, int end) {
+        for (int item = begin; item < end; ++item) {
+          const SequenceStep& s = steps[item / heads];
+          const int hd = item % heads;
+          const cpu::KvView view = View(l, s.cross_block_table);
+          for (int i = 0; i < static_cast<int>(s.tokens.size()); ++i) {
+            const int64_t off = int64_t{rows[item / heads] + i} * w;
+            cpu::AttentionDecode(dims_, cross_rel_, view, b.q + off, s.encoder_len - 1, b.att + off, hd, hd + 1);
+          }
+        }
+      });
+      Linear(b.att, total, packed_[l].co, lw.co_b, b.tmp);
+      cpu::AddInPlace(x, b.tmp, int64_t{total} * d);
     }
-    Linear(in, total, packed_[l].up, lw.b_up, up);
-    if (c.ffn_gated) {
-      Linear(in, total, packed_[l].gate, lw.b_gate, gate);
-      cpu::ActivateGated(c.ffn_activation, gate, up, int64_t{total} * f);
-      std::swap(up, gate);
-    } else {
-      cpu::Activate(c.ffn_activation, up, int64_t{total} * f);
-    }
-    Linear(up, total, packed_[l].down, lw.b_down, tmp);
-    cpu::AddInPlace(x, tmp, int64_t{total} * d);
-    if (!pre) Norm(x, total, lw.ffn_norm_w, lw.ffn_norm_b, x);
+    FeedForward(lw, packed_[l], total, b);
   }
 
   // Rows whose logits are wanted, gathered before the final norm and the vocabulary projection.
@@ -225,6 +365,9 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
     }
   }
   if (pre) Norm(sel, out_rows, model_->final_norm_w(), model_->final_norm_b(), sel);
+  if (c.lm_head_input_scale != 1.0f) {
+    for (int64_t i = 0; i < int64_t{out_rows} * d; ++i) sel[i] *= c.lm_head_input_scale;
+  }
   logits->resize(int64_t{out_rows} * c.vocab_size);
   Linear(sel, out_rows, lm_head_, nullptr, logits->data());
   return absl::OkStatus();
@@ -256,12 +399,13 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double mem
     }
     blocks = static_cast<int64_t>(memory_fraction * static_cast<double>(kib) * 1024.0) / per_block;
   }
-  const int64_t need = (c.max_seq_len + block_size - 1) / block_size;
+  // An encoder-decoder sequence also holds its input's cross-attention K/V.
+  const int64_t need = (c.encoder_decoder ? 2 : 1) * int64_t{(c.max_seq_len + block_size - 1) / block_size};
   if (blocks < need) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a KV pool of ", blocks * block_size, " tokens cannot hold one sequence of max_seq_len ",
-        c.max_seq_len, " (", per_block / block_size, " bytes per token); give at least ",
-        need * block_size, " tokens"));
+        c.max_seq_len, c.encoder_decoder ? " (input and output)" : "", " (", per_block / block_size,
+        " bytes per token); give at least ", need * block_size, " tokens"));
   }
   return static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
 }

@@ -101,9 +101,10 @@ struct Engine::Seq {
   int64_t id = 0;
   std::shared_ptr<RequestHandle> handle;
   Request req;
-  std::vector<int32_t> tokens;  // prompt, then generated
+  std::vector<int32_t> tokens;  // prompt (encoder-decoder: decoder_start_token_id), then generated
   int num_computed = 0;         // tokens whose K/V are in `blocks`
   std::vector<int32_t> blocks;
+  std::vector<int32_t> cross_blocks;  // encoder-decoder: the input's cross-attention K/V, once encoded
   int generated = 0;
   std::unique_ptr<StreamDecoder> detok;
   std::string held;  // decoded text held back while it may begin a stop string
@@ -170,7 +171,17 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
       return absl::InvalidArgumentError(absl::StrCat("stop token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
     }
   }
-  if (r.stop.max_new_tokens < 1 || n + r.stop.max_new_tokens > c.max_seq_len) {
+  if (c.encoder_decoder) {
+    // Input and output have a context each; the last output token is never fed back.
+    if (n > c.max_seq_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the input is ", n, " tokens; allowed 1..", c.max_seq_len, " (max_seq_len)"));
+    }
+    if (r.stop.max_new_tokens < 1 || r.stop.max_new_tokens > c.max_seq_len) {
+      return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, "; allowed 1..",
+                                                     c.max_seq_len, " (max_seq_len)"));
+    }
+  } else if (r.stop.max_new_tokens < 1 || n + r.stop.max_new_tokens > c.max_seq_len) {
     return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, " with a prompt of ", n,
                                                    " tokens; allowed 1..", std::max(0, c.max_seq_len - n),
                                                    " (max_seq_len ", c.max_seq_len, ")"));
@@ -180,16 +191,19 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
       !(p.repetition_penalty > 0.0f)) {
     return absl::InvalidArgumentError("sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0)");
   }
-  const int need = BlocksForTokens(n + r.stop.max_new_tokens, config_.scheduler.block_size);
+  const int bs = config_.scheduler.block_size;
+  const int need = c.encoder_decoder ? BlocksForTokens(n, bs) + BlocksForTokens(r.stop.max_new_tokens, bs)
+                                     : BlocksForTokens(n + r.stop.max_new_tokens, bs);
   if (need > allocator_.num_blocks()) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt + max_new_tokens = ", n + r.stop.max_new_tokens,
+    return absl::InvalidArgumentError(absl::StrCat(c.encoder_decoder ? "input + max_new_tokens" : "prompt + max_new_tokens",
+                                                   " = ", n + r.stop.max_new_tokens,
                                                    " tokens can never fit the KV cache of ",
-                                                   int64_t{allocator_.num_blocks()} * config_.scheduler.block_size, " tokens"));
+                                                   int64_t{allocator_.num_blocks()} * bs, " tokens"));
   }
   auto s = std::make_unique<Seq>();
   s->handle = std::make_shared<RequestHandle>();
   s->handle->id_ = r.id;
-  s->tokens = r.prompt;
+  s->tokens = c.encoder_decoder ? std::vector<int32_t>{c.decoder_start_token_id} : r.prompt;
   s->req = std::move(r);
   s->detok = tokenizer_->NewStream();
   s->submitted = absl::Now();
@@ -278,6 +292,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   if (s.done) return;
   s.done = true;
   allocator_.Free(&s.blocks);
+  allocator_.Free(&s.cross_blocks);
   {
     // Books first, so nothing a client has received is missing from them.
     // The running and waiting gauges too: a client that got its final output must not still be
@@ -392,13 +407,14 @@ void Engine::Step() {
   waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), [&](auto& s) { return reap(*s); }),
                  waiting_.end());
 
+  const bool enc_dec = model_->config().encoder_decoder;
+  auto sched = [&](const Seq& s) {
+    return SchedSeq{s.id, static_cast<int>(s.tokens.size()), s.num_computed, static_cast<int>(s.blocks.size()),
+                    enc_dec ? static_cast<int>(s.req.prompt.size()) : 0, static_cast<int>(s.cross_blocks.size())};
+  };
   std::vector<SchedSeq> run, wait;
-  for (const auto& s : running_) {
-    run.push_back({s->id, static_cast<int>(s->tokens.size()), s->num_computed, static_cast<int>(s->blocks.size())});
-  }
-  for (const auto& s : waiting_) {
-    wait.push_back({s->id, static_cast<int>(s->tokens.size()), s->num_computed, static_cast<int>(s->blocks.size())});
-  }
+  for (const auto& s : running_) run.push_back(sched(*s));
+  for (const auto& s : waiting_) wait.push_back(sched(*s));
   const Schedule plan = ComputeSchedule(run, wait, allocator_.num_free(), config_.scheduler);
 
   // Preempted sequences (newest first) go back to the front of the queue, oldest first, and will
@@ -408,6 +424,7 @@ void Engine::Step() {
     running_.pop_back();
     if (s->id != id) std::abort();  // the scheduler preempts from the newest end
     allocator_.Free(&s->blocks);
+    allocator_.Free(&s->cross_blocks);  // the input is encoded again on readmission
     s->num_computed = 0;
     waiting_.push_front(std::move(s));
   }
@@ -426,10 +443,11 @@ void Engine::Step() {
       }
     }
     if (!allocator_.Allocate(c.new_blocks, &batch.back()->blocks)) std::abort();  // planned
+    if (!allocator_.Allocate(c.encoder_blocks, &batch.back()->cross_blocks)) std::abort();
   }
 
   std::vector<SequenceStep> steps;
-  int step_tokens = 0, prefill_tokens = 0;
+  int step_tokens = 0, prefill_tokens = 0, encoder_tokens = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Seq& s = *batch[i];
     const int n = plan.chunks[i].num_tokens;
@@ -437,6 +455,14 @@ void Engine::Step() {
     st.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, n);
     st.start_pos = s.num_computed;
     st.block_table = s.blocks;
+    if (enc_dec) {
+      st.encoder_len = static_cast<int>(s.req.prompt.size());
+      st.cross_block_table = s.cross_blocks;
+      if (plan.chunks[i].encoder_blocks > 0) {
+        st.encoder_tokens = s.req.prompt;
+        encoder_tokens += st.encoder_len;
+      }
+    }
     steps.push_back(st);
     step_tokens += n;
     if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) prefill_tokens += n;
@@ -489,6 +515,7 @@ void Engine::Step() {
 
   if (config_.observer) {
     if (!steps.empty()) config_.observer->OnStep(static_cast<int>(steps.size()), step_tokens);
+    if (encoder_tokens > 0) config_.observer->OnEncoded(encoder_tokens);
     if (!plan.preempted.empty()) config_.observer->OnPreemptions(static_cast<int>(plan.preempted.size()));
   }
   std::unique_lock<std::mutex> lock(mu_);
@@ -502,6 +529,7 @@ void Engine::Step() {
     stats_.last_step_tokens = step_tokens;
   }
   stats_.prompt_tokens += prefill_tokens;
+  stats_.encoder_tokens += encoder_tokens;
   stats_.preemptions += static_cast<int64_t>(plan.preempted.size());
   stats_.memory = backend_->memory();
 }

@@ -113,6 +113,8 @@ class EngineObserver {
   virtual ~EngineObserver() = default;
   virtual void OnStep(int num_seqs, int num_tokens) {}
   virtual void OnPreemptions(int count) {}
+  // Input tokens an encoder-decoder model encoded in a step (again after a preemption too).
+  virtual void OnEncoded(int tokens) {}
   // A generated token; `since_previous` is the gap to the request's previous token (zero for the
   // first token).
   virtual void OnToken(absl::Duration since_previous) {}
@@ -136,6 +138,7 @@ struct EngineStats {
   int last_step_seqs = 0;
   int last_step_tokens = 0;
   int64_t prompt_tokens = 0;      // prompt tokens computed (recomputation included)
+  int64_t encoder_tokens = 0;     // input tokens encoded (encoder-decoder; recomputation included)
   int64_t generation_tokens = 0;  // tokens generated and delivered
   int64_t preemptions = 0;
   int64_t finished = 0;

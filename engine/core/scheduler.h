@@ -27,7 +27,15 @@ struct SchedSeq {
   int64_t id = 0;
   int num_tokens = 0;    // tokens that must be in the cache before the next sample
   int num_computed = 0;  // tokens already in the cache
-  int num_blocks = 0;    // blocks held
+  int num_blocks = 0;    // blocks held for those tokens
+  // Encoder-decoder models: the input's length. A sequence is encoded whole in the step that
+  // admits it (bidirectional attention cannot be split into chunks: every position needs every
+  // other), which charges min(encoder_tokens, max_batch_tokens - 1) to that step's budget (a longer input
+  // still encodes, in a step of its own) and allocates
+  // the blocks of the input's cross-attention K/V; those are held (`encoder_blocks`) until the
+  // sequence finishes or is preempted.
+  int encoder_tokens = 0;
+  int encoder_blocks = 0;  // held; 0 while waiting
 };
 
 struct ScheduledChunk {
@@ -35,6 +43,7 @@ struct ScheduledChunk {
   int num_tokens = 0;  // tokens to compute this step, from num_computed on
   int new_blocks = 0;  // blocks to allocate first
   bool admitted = false;  // taken from the waiting queue this step
+  int encoder_blocks = 0;  // admitted encoder-decoder sequence: blocks for its input's K/V (it is encoded)
 };
 
 struct Schedule {

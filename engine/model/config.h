@@ -62,7 +62,19 @@ struct ModelConfig {
   bool bos_before_text = true;
   TokenizerKind tokenizer = TokenizerKind::kByte;
   std::string tokenizer_file;  // relative to the model directory (sentencepiece, bpe)
+  // SentencePiece as T5 uses it: sentinel tokens <extra_id_0..N-1> on the ids right above the
+  // model's pieces (extra_id_0 highest), and eos_token_id after every encoded text.
+  int tokenizer_extra_ids = 0;
+  bool tokenizer_append_eos = false;
   RelativeConfig rel;
+  // Encoder-decoder (T5): a request's tokens are the encoder's input, encoded once with
+  // bidirectional self-attention (rel's buckets, both directions); the decoder starts from
+  // decoder_start_token_id and its layers add cross-attention over the encoder output. Encoder
+  // layers have the decoder's shapes. max_seq_len bounds the input and the output each.
+  bool encoder_decoder = false;
+  int n_encoder_layers = 0;
+  int decoder_start_token_id = -1;
+  float lm_head_input_scale = 1.0f;  // multiplies the final hidden state (tied T5: d_model^-0.5)
 
   int qkv_width() const { return n_heads * head_dim; }
   // Heads that own a relative table: 1 when they share it.

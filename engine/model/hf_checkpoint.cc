@@ -216,7 +216,7 @@ class Keys {
 
 // PretrainedConfig's own keys: generation defaults and bookkeeping, none of which changes a forward
 // pass (relgen's requests carry their own sampling parameters), except those checked here.
-absl::Status GenericKeys(Keys& k) {
+absl::Status GenericKeys(Keys& k, bool encoder_decoder) {
   k.Ignore({"_name_or_path", "architectures", "auto_map", "transformers_version", "torch_dtype", "use_bfloat16",
             "return_dict", "output_hidden_states", "output_attentions", "torchscript", "tf_legacy_loss",
             "chunk_size_feed_forward", "is_decoder", "tie_encoder_decoder", "max_length", "min_length", "do_sample",
@@ -229,7 +229,8 @@ absl::Status GenericKeys(Keys& k) {
             "task_specific_params", "problem_type", "_attn_implementation_autoset", "_commit_hash",
             "model_type", "use_cache", "initializer_range", "unk_token_id"});
   absl::Status s;
-  s.Update(k.Only("is_encoder_decoder", {false}, "this family is a decoder"));
+  s.Update(encoder_decoder ? k.Only("is_encoder_decoder", {true}, "this family is an encoder-decoder")
+                           : k.Only("is_encoder_decoder", {false}, "this family is a decoder"));
   s.Update(k.Only("add_cross_attention", {false}, "a decoder without cross-attention"));
   s.Update(k.Only("pruned_heads", {json::object()}, "pruned heads change the attention shapes"));
   return s;
@@ -255,7 +256,7 @@ absl::Status TokenIds(Keys& k, ModelConfig& c) {
 // ---- families ---------------------------------------------------------------------------------
 
 // Where one relgen tensor comes from: a Hugging Face tensor, whole or one third of a fused QKV.
-enum class Split { kNone, kHeadInterleaved, kChunked };
+enum class Split { kNone, kHeadInterleaved, kChunked, kTranspose };
 struct Source {
   std::string name;  // without the base model prefix ("transformer.")
   Split split = Split::kNone;
@@ -264,9 +265,12 @@ struct Source {
 
 struct Family {
   std::string embed;  // the embedding's name, to find the base model prefix
-  // relgen name -> source; empty name: not in this family.
-  std::function<Source(const std::string& rest, int layer)> layer_source;
+  // relgen name -> source; empty name: not in this family. `stack` is "" (the decoder) or
+  // "encoder." (encoder-decoder models).
+  std::function<Source(const std::string& stack, const std::string& rest, int layer)> layer_source;
   std::map<std::string, Source> globals;
+  // Stored tensors transformers does not use either (e.g. T5's unused cross-attention bias).
+  std::function<bool(const std::string& name)> ignored = [](const std::string&) { return false; };
 };
 
 absl::Status MapBloom(Keys& k, ModelConfig& c, Family& f) {
@@ -308,7 +312,7 @@ absl::Status MapBloom(Keys& k, ModelConfig& c, Family& f) {
                {"embed_norm.bias", {"word_embeddings_layernorm.bias"}},
                {"final_norm.weight", {"ln_f.weight"}},
                {"final_norm.bias", {"ln_f.bias"}}};
-  f.layer_source = [](const std::string& rest, int l) -> Source {
+  f.layer_source = [](const std::string&, const std::string& rest, int l) -> Source {
     const std::string p = absl::StrCat("h.", l, ".");
     static const std::map<std::string, std::pair<std::string, int>> kMap = {
         {"attn_norm", {"input_layernorm", -1}},
@@ -399,7 +403,7 @@ absl::Status MapMpt(Keys& k, ModelConfig& c, Family& f) {
   f.globals = {{"embed.weight", {"wte.weight"}},
                {"final_norm.weight", {"norm_f.weight"}},
                {"final_norm.bias", {"norm_f.bias"}}};
-  f.layer_source = [](const std::string& rest, int l) -> Source {
+  f.layer_source = [](const std::string&, const std::string& rest, int l) -> Source {
     const std::string p = absl::StrCat("blocks.", l, ".");
     static const std::map<std::string, std::pair<std::string, int>> kMap = {
         {"attn_norm", {"norm_1", -1}},         {"attn.q", {"attn.Wqkv", 0}},
@@ -411,6 +415,105 @@ absl::Status MapMpt(Keys& k, ModelConfig& c, Family& f) {
     if (it == kMap.end()) return {};
     const auto& [name, part] = it->second;
     return {p + name + rest.substr(dot), part < 0 ? Split::kNone : Split::kChunked, std::max(part, 0)};
+  };
+  return absl::OkStatus();
+}
+
+
+// T5 v1.0 / v1.1 / Flan-T5 and mT5 (T5ForConditionalGeneration, MT5ForConditionalGeneration).
+absl::Status MapT5(Keys& k, ModelConfig& c, Family& f, const std::string& model_type) {
+  c.architecture = "t5";
+  c.encoder_decoder = true;
+  if (model_type == "mt5") c.tie_embeddings = false;  // MT5Config's default
+  absl::Status s;
+  s.Update(k.Int({"vocab_size"}, 1, 1 << 24, &c.vocab_size, true));
+  s.Update(k.Int({"d_model"}, 1, 65536, &c.d_model, true));
+  s.Update(k.Int({"d_kv"}, 1, 4096, &c.head_dim, true));
+  s.Update(k.Int({"d_ff"}, 1, 1 << 20, &c.ffn_dim, true));
+  s.Update(k.Int({"num_layers"}, 1, 1024, &c.n_encoder_layers, true));
+  c.n_layers = c.n_encoder_layers;  // T5Config: num_decoder_layers defaults to num_layers
+  s.Update(k.Int({"num_decoder_layers"}, 1, 1024, &c.n_layers, false));
+  s.Update(k.Int({"num_heads"}, 1, 1024, &c.n_heads, true));
+  s.Update(k.Int({"relative_attention_num_buckets"}, 2, 1 << 16, &c.rel.num_buckets, false));
+  s.Update(k.Int({"relative_attention_max_distance"}, 1, 1 << 20, &c.rel.max_distance, false));
+  // Relative positions have no length limit; n_positions (older configs) is the trained input length.
+  c.max_seq_len = 512;
+  s.Update(k.Int({"n_positions"}, 1, 1 << 20, &c.max_seq_len, false));
+  c.norm_eps = 1e-6f;
+  s.Update(k.PositiveFloat("layer_norm_epsilon", &c.norm_eps));
+  s.Update(k.Bool("tie_word_embeddings", &c.tie_embeddings));
+  // feed_forward_proj "[gated-]ACT"; the derived dense_act_fn / is_gated_act, where saved, win (as
+  // in T5Config, whose super().__init__ sets them last).
+  std::string proj = "relu";
+  if (const json* v = k.Get("feed_forward_proj"); v != nullptr) {
+    if (!v->is_string()) return k.Error("feed_forward_proj", absl::StrCat("must be a string, found ", v->dump()));
+    proj = v->get<std::string>();
+  }
+  const size_t dash = proj.find('-');
+  bool gated = dash != std::string::npos && proj.substr(0, dash) == "gated";
+  std::string act = dash == std::string::npos ? proj : proj.substr(dash + 1);
+  if (act == "gelu" && gated) act = "gelu_new";  // T5Config's special case for "gated-gelu"
+  if (const json* v = k.Get("dense_act_fn"); v != nullptr && v->is_string()) act = v->get<std::string>();
+  s.Update(k.Bool("is_gated_act", &gated));
+  if (!s.ok()) return s;
+  static const std::map<std::string, cpu::Activation> kActs = {{"relu", cpu::Activation::kRelu},
+                                                              {"gelu_new", cpu::Activation::kGeluTanh},
+                                                              {"gelu_pytorch_tanh", cpu::Activation::kGeluTanh},
+                                                              {"gelu", cpu::Activation::kGelu}};
+  auto a = kActs.find(act);
+  if (a == kActs.end()) {
+    return k.Error("feed_forward_proj", absl::StrCat("is '", proj, "' (activation '", act, "'", gated ? ", gated" : "",
+                                                     "); activation '", act,
+                                                     "' is not implemented: relgen serves relu, gelu_new, "
+                                                     "gelu_pytorch_tanh and gelu, gated or not"));
+  }
+  c.ffn_activation = a->second;
+  c.ffn_gated = gated;
+  // Training-time only: dropout, initialisation, the legacy cache switch.
+  k.Ignore({"dropout_rate", "classifier_dropout", "initializer_factor", "output_past", "gradient_checkpointing"});
+  c.rel.scheme = relpos::Scheme::kT5;
+  c.rel.bidirectional = false;      // the decoder's buckets; the encoder uses both directions
+  c.rel.share_across_layers = true;  // the first block's table serves every layer of its stack
+  c.rel.heads_share_table = false;
+  c.attention_scale = 1.0f;  // T5 folds 1/sqrt(d_kv) into the query weights at initialisation
+  c.norm = NormKind::kRmsNorm;
+  c.norm_placement = NormPlacement::kPre;
+  c.norm_bias = false;
+  c.linear_bias = false;
+  c.decoder_start_token_id = 0;
+  s.Update(k.Int({"decoder_start_token_id"}, 0, c.vocab_size - 1, &c.decoder_start_token_id, false));
+  if (!s.ok()) return s;
+  if (c.tie_embeddings) c.lm_head_input_scale = static_cast<float>(std::pow(static_cast<double>(c.d_model), -0.5));
+  f.embed = "shared.weight";
+  f.globals = {{"embed.weight", {"shared.weight"}},
+               {"encoder.final_norm.weight", {"encoder.final_layer_norm.weight"}},
+               {"final_norm.weight", {"decoder.final_layer_norm.weight"}},
+               {"encoder.attn.rel_bias", {"encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                                          Split::kTranspose}},
+               {"attn.rel_bias", {"decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                                  Split::kTranspose}}};
+  f.layer_source = [gated](const std::string& stack, const std::string& rest, int l) -> Source {
+    const bool enc = stack == "encoder.";
+    const std::string p = absl::StrCat(enc ? "encoder" : "decoder", ".block.", l, ".layer.");
+    const std::string ffn = enc ? "1" : "2";
+    const std::map<std::string, std::string> map = {
+        {"attn_norm", "0.layer_norm"},       {"attn.q", "0.SelfAttention.q"},
+        {"attn.k", "0.SelfAttention.k"},     {"attn.v", "0.SelfAttention.v"},
+        {"attn.o", "0.SelfAttention.o"},     {"cross_norm", "1.layer_norm"},
+        {"cross.q", "1.EncDecAttention.q"},  {"cross.k", "1.EncDecAttention.k"},
+        {"cross.v", "1.EncDecAttention.v"},  {"cross.o", "1.EncDecAttention.o"},
+        {"ffn_norm", ffn + ".layer_norm"},   {"ffn.up", ffn + (gated ? ".DenseReluDense.wi_1" : ".DenseReluDense.wi")},
+        {"ffn.gate", ffn + ".DenseReluDense.wi_0"}, {"ffn.down", ffn + ".DenseReluDense.wo"}};
+    const size_t dot = rest.rfind('.');
+    auto it = map.find(rest.substr(0, dot));
+    if (it == map.end()) return {};
+    return {p + it->second + rest.substr(dot)};
+  };
+  // Tied copies of the embedding in older saves, and the cross-attention bias table older
+  // checkpoints carry but T5 never uses (transformers ignores both on load).
+  f.ignored = [](const std::string& name) {
+    return name == "encoder.embed_tokens.weight" || name == "decoder.embed_tokens.weight" ||
+           name == "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight";
   };
   return absl::OkStatus();
 }
@@ -447,13 +550,15 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
     s = MapBloom(keys, c, family);
   } else if (model_type == "mpt") {
     s = MapMpt(keys, c, family);
+  } else if (model_type == "t5" || model_type == "mt5") {
+    s = MapT5(keys, c, family, model_type);
   } else {
     return absl::InvalidArgumentError(absl::StrCat(config_path, ": model_type '", model_type,
                                                    "' is not served by relgen; Hugging Face checkpoints of "
-                                                   "model_type bloom and mpt are (docs/models.md)"));
+                                                   "model_type bloom, mpt, t5 and mt5 are (docs/models.md)"));
   }
   if (!s.ok()) return s;
-  if (auto st = GenericKeys(keys); !st.ok()) return st;
+  if (auto st = GenericKeys(keys, c.encoder_decoder); !st.ok()) return st;
   if (auto st = TokenIds(keys, c); !st.ok()) return st;
   if (auto st = keys.RefuseUnknown(model_type); !st.ok()) return st;
   if (c.attention_scale == 0.0f) c.attention_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
@@ -466,13 +571,32 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
     Keys gk(*g, gen_path);
     if (auto st = TokenIds(gk, c); !st.ok()) return st;
   }
-  if (!fs::exists(dir + "/tokenizer.json")) {
-    return absl::NotFoundError(absl::StrCat(dir, ": no tokenizer.json (the Hugging Face tokenizer of the checkpoint, "
-                                            "as downloaded with it)"));
+  c.bos_before_text = false;  // the tokenizer adds what the model expects
+  if (c.architecture == "t5") {
+    // T5's SentencePiece model plus its sentinels <extra_id_N> above it; every text ends with </s>.
+    if (!fs::exists(dir + "/spiece.model")) {
+      return absl::NotFoundError(absl::StrCat(dir, ": no spiece.model (the SentencePiece model of the checkpoint, "
+                                              "as downloaded with it)"));
+    }
+    c.tokenizer = TokenizerKind::kSentencePiece;
+    c.tokenizer_file = "spiece.model";
+    c.tokenizer_extra_ids = 100;  // T5Tokenizer's default
+    if (fs::exists(dir + "/tokenizer_config.json")) {
+      auto tc = ReadJsonFile(dir + "/tokenizer_config.json");
+      if (!tc.ok()) return tc.status();
+      if (auto e = tc->find("extra_ids"); e != tc->end() && e->is_number_integer()) {
+        c.tokenizer_extra_ids = e->get<int>();
+      }
+    }
+    c.tokenizer_append_eos = true;
+  } else {
+    if (!fs::exists(dir + "/tokenizer.json")) {
+      return absl::NotFoundError(absl::StrCat(dir, ": no tokenizer.json (the Hugging Face tokenizer of the "
+                                              "checkpoint, as downloaded with it)"));
+    }
+    c.tokenizer = TokenizerKind::kBpe;
+    c.tokenizer_file = "tokenizer.json";
   }
-  c.tokenizer = TokenizerKind::kBpe;
-  c.bos_before_text = false;  // tokenizer.json's post-processor adds what the model expects
-  c.tokenizer_file = "tokenizer.json";
 
   auto weights = Weights::Open(dir);
   if (!weights.ok()) return weights.status();
@@ -486,15 +610,23 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
       src = g->second;
     } else if (spec.name == "lm_head.weight") {
       src = {"lm_head.weight"};
-    } else if (spec.name.rfind("layers.", 0) == 0) {
-      const size_t dot = spec.name.find('.', 7);
-      src = family.layer_source(spec.name.substr(dot + 1), std::stoi(spec.name.substr(7, dot - 7)));
+    } else {
+      const std::string stack = spec.name.rfind("encoder.", 0) == 0 ? "encoder." : "";
+      const std::string rest = spec.name.substr(stack.size());
+      if (rest.rfind("layers.", 0) == 0) {
+        const size_t dot = rest.find('.', 7);
+        src = family.layer_source(stack, rest.substr(dot + 1), std::stoi(rest.substr(7, dot - 7)));
+      }
     }
     if (src.name.empty()) return absl::InternalError(absl::StrCat("no source for tensor ", spec.name));
     const std::string name = src.name == "lm_head.weight" ? src.name : prefix + src.name;
     const TensorInfo* t = weights->Find(name);
     std::vector<int64_t> shape = spec.shape;
-    if (src.split != Split::kNone) shape[0] *= 3;
+    if (src.split == Split::kTranspose) {
+      std::swap(shape[0], shape[1]);
+    } else if (src.split != Split::kNone) {
+      shape[0] *= 3;
+    }
     if (t == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(dir, ": missing tensor '", name, "' ", ShapeStr(shape), " (",
                                                      c.source, ", ", c.linear_bias ? "with" : "without",
@@ -510,6 +642,16 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
     }
     if (src.split == Split::kNone) {  // each whole tensor serves once
       out.tensors.emplace(spec.name, std::move(it->second));
+      converted.erase(it);
+      continue;
+    }
+    if (src.split == Split::kTranspose) {  // T5's bias table [buckets, heads] -> [heads, buckets]
+      const int64_t rows = shape[0], cols = shape[1];
+      std::vector<float> t(it->second.size());
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t col = 0; col < cols; ++col) t[col * rows + r] = it->second[r * cols + col];
+      }
+      out.tensors.emplace(spec.name, std::move(t));
       converted.erase(it);
       continue;
     }
@@ -529,7 +671,7 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
   // A tied head may still be stored; transformers ties it to the embedding regardless.
   if (c.tie_embeddings && weights->Find("lm_head.weight") != nullptr) used.insert("lm_head.weight");
   for (const std::string& name : weights->Names()) {
-    if (!used.contains(name)) {
+    if (!used.contains(name) && !family.ignored(name)) {
       return absl::InvalidArgumentError(absl::StrCat(weights->FileOf(name), ": unexpected tensor '", name,
                                                      "': the ", c.source, " mapping does not use it, so the "
                                                      "checkpoint is not the model relgen would serve"));

@@ -47,22 +47,37 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
         break;
     }
   };
+  // One stack: "" the decoder, "encoder." the encoder (no cross-attention, its own relative table).
+  auto stack = [&](const std::string& s, int layers, bool cross) {
+    if (c.rel.share_across_layers) relative(s + "attn.");
+    for (int l = 0; l < layers; ++l) {
+      const std::string p = absl::StrCat(s, "layers.", l, ".");
+      norm(p + "attn_norm");
+      linear(p + "attn.q", w, d);
+      linear(p + "attn.k", w, d);
+      linear(p + "attn.v", w, d);
+      linear(p + "attn.o", d, w);
+      if (!c.rel.share_across_layers) relative(p + "attn.");
+      if (cross) {
+        norm(p + "cross_norm");
+        linear(p + "cross.q", w, d);
+        linear(p + "cross.k", w, d);
+        linear(p + "cross.v", w, d);
+        linear(p + "cross.o", d, w);
+      }
+      norm(p + "ffn_norm");
+      linear(p + "ffn.up", f, d);
+      if (c.ffn_gated) linear(p + "ffn.gate", f, d);
+      linear(p + "ffn.down", d, f);
+    }
+  };
   add("embed.weight", {v, d});
   if (c.embedding_norm) norm("embed_norm");
-  if (c.rel.share_across_layers) relative("attn.");
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string p = absl::StrCat("layers.", l, ".");
-    norm(p + "attn_norm");
-    linear(p + "attn.q", w, d);
-    linear(p + "attn.k", w, d);
-    linear(p + "attn.v", w, d);
-    linear(p + "attn.o", d, w);
-    if (!c.rel.share_across_layers) relative(p + "attn.");
-    norm(p + "ffn_norm");
-    linear(p + "ffn.up", f, d);
-    if (c.ffn_gated) linear(p + "ffn.gate", f, d);
-    linear(p + "ffn.down", d, f);
+  if (c.encoder_decoder) {
+    stack("encoder.", c.n_encoder_layers, false);
+    norm("encoder.final_norm");
   }
+  stack("", c.n_layers, c.encoder_decoder);
   if (c.norm_placement == NormPlacement::kPre) norm("final_norm");
   if (!c.tie_embeddings) add("lm_head.weight", {v, d});
   return specs;
@@ -172,32 +187,53 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromTensors(ModelConfig conf
   m->final_norm_w_ = m->Get("final_norm.weight");
   m->final_norm_b_ = m->Get("final_norm.bias");
   m->lm_head_ = c.tie_embeddings ? m->embed_ : m->Get("lm_head.weight");
-  m->layers_.resize(c.n_layers);
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string p = absl::StrCat("layers.", l, ".");
-    const std::string rp = c.rel.share_across_layers ? "attn." : p + "attn.";
-    LayerWeights& lw = m->layers_[l];
-    lw.attn_norm_w = m->Get(p + "attn_norm.weight");
-    lw.attn_norm_b = m->Get(p + "attn_norm.bias");
-    lw.wq = m->Get(p + "attn.q.weight");
-    lw.bq = m->Get(p + "attn.q.bias");
-    lw.wk = m->Get(p + "attn.k.weight");
-    lw.bk = m->Get(p + "attn.k.bias");
-    lw.wv = m->Get(p + "attn.v.weight");
-    lw.bv = m->Get(p + "attn.v.bias");
-    lw.wo = m->Get(p + "attn.o.weight");
-    lw.bo = m->Get(p + "attn.o.bias");
-    lw.ffn_norm_w = m->Get(p + "ffn_norm.weight");
-    lw.ffn_norm_b = m->Get(p + "ffn_norm.bias");
-    lw.w_up = m->Get(p + "ffn.up.weight");
-    lw.b_up = m->Get(p + "ffn.up.bias");
-    lw.w_gate = m->Get(p + "ffn.gate.weight");
-    lw.b_gate = m->Get(p + "ffn.gate.bias");
-    lw.w_down = m->Get(p + "ffn.down.weight");
-    lw.b_down = m->Get(p + "ffn.down.bias");
-    lw.rel_k = m->Get(rp + "rel_k");
-    lw.rel_v = m->Get(rp + "rel_v");
-    lw.rel_bias = m->Get(rp + "rel_bias");
+  auto stack = [&](const std::string& s, int layers, std::vector<LayerWeights>* out) {
+    out->resize(layers);
+    for (int l = 0; l < layers; ++l) {
+      const std::string p = absl::StrCat(s, "layers.", l, ".");
+      const std::string rp = c.rel.share_across_layers ? s + "attn." : p + "attn.";
+      LayerWeights& lw = (*out)[l];
+      lw.attn_norm_w = m->Get(p + "attn_norm.weight");
+      lw.attn_norm_b = m->Get(p + "attn_norm.bias");
+      lw.wq = m->Get(p + "attn.q.weight");
+      lw.bq = m->Get(p + "attn.q.bias");
+      lw.wk = m->Get(p + "attn.k.weight");
+      lw.bk = m->Get(p + "attn.k.bias");
+      lw.wv = m->Get(p + "attn.v.weight");
+      lw.bv = m->Get(p + "attn.v.bias");
+      lw.wo = m->Get(p + "attn.o.weight");
+      lw.bo = m->Get(p + "attn.o.bias");
+      lw.ffn_norm_w = m->Get(p + "ffn_norm.weight");
+      lw.ffn_norm_b = m->Get(p + "ffn_norm.bias");
+      lw.w_up = m->Get(p + "ffn.up.weight");
+      lw.b_up = m->Get(p + "ffn.up.bias");
+      lw.w_gate = m->Get(p + "ffn.gate.weight");
+      lw.b_gate = m->Get(p + "ffn.gate.bias");
+      lw.w_down = m->Get(p + "ffn.down.weight");
+      lw.b_down = m->Get(p + "ffn.down.bias");
+      lw.rel_k = m->Get(rp + "rel_k");
+      lw.rel_v = m->Get(rp + "rel_v");
+      lw.rel_bias = m->Get(rp + "rel_bias");
+      lw.cross_norm_w = m->Get(p + "cross_norm.weight");
+      lw.cross_norm_b = m->Get(p + "cross_norm.bias");
+      lw.cq = m->Get(p + "cross.q.weight");
+      lw.cq_b = m->Get(p + "cross.q.bias");
+      lw.ck = m->Get(p + "cross.k.weight");
+      lw.ck_b = m->Get(p + "cross.k.bias");
+      lw.cv = m->Get(p + "cross.v.weight");
+      lw.cv_b = m->Get(p + "cross.v.bias");
+      lw.co = m->Get(p + "cross.o.weight");
+      lw.co_b = m->Get(p + "cross.o.bias");
+    }
+  };
+  stack("", c.n_layers, &m->layers_);
+  if (c.encoder_decoder) {
+    stack("encoder.", c.n_encoder_layers, &m->encoder_layers_);
+    m->encoder_final_norm_w_ = m->Get("encoder.final_norm.weight");
+    m->encoder_final_norm_b_ = m->Get("encoder.final_norm.bias");
+    if (c.rel.scheme == relpos::Scheme::kT5) {
+      m->t5_encoder_table_ = relpos::T5SignedBucketTable(c.rel.num_buckets, c.rel.max_distance);
+    }
   }
   if (c.rel.scheme == relpos::Scheme::kT5) {
     m->t5_table_ = relpos::T5BucketTable(c.rel.num_buckets, c.rel.max_distance, c.rel.bidirectional);

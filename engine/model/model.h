@@ -53,6 +53,18 @@ struct LayerWeights {
   const float* rel_k = nullptr;     // skew [Hs, M, head_dim]; shaw [Hs, 2k+1, head_dim]
   const float* rel_v = nullptr;     // shaw relative values [Hs, 2k+1, head_dim]
   const float* rel_bias = nullptr;  // t5 [Hs, num_buckets]
+  // Cross-attention of an encoder-decoder model's decoder layers: norm, then q of the decoder state
+  // and k, v of the encoder output.
+  const float* cross_norm_w = nullptr;
+  const float* cross_norm_b = nullptr;
+  const float* cq = nullptr;
+  const float* cq_b = nullptr;
+  const float* ck = nullptr;
+  const float* ck_b = nullptr;
+  const float* cv = nullptr;
+  const float* cv_b = nullptr;
+  const float* co = nullptr;  // [d_model, heads*head_dim]
+  const float* co_b = nullptr;
 };
 
 // Float32 tensors by relgen name (docs/model-format.md), as a checkpoint mapping produces them.
@@ -76,6 +88,12 @@ class Model {
   const ModelConfig& config() const { return config_; }
   const std::string& dir() const { return dir_; }
   const LayerWeights& layer(int i) const { return layers_[i]; }
+  // Encoder-decoder models: the encoder's layers (rel_bias the encoder's own table) and final norm.
+  const LayerWeights& encoder_layer(int i) const { return encoder_layers_[i]; }
+  const float* encoder_final_norm_w() const { return encoder_final_norm_w_; }
+  const float* encoder_final_norm_b() const { return encoder_final_norm_b_; }
+  // Exact T5 bucket of each signed relative position -max_distance..max_distance (encoder, t5 only).
+  const std::vector<int32_t>& t5_encoder_bucket_table() const { return t5_encoder_table_; }
   const float* embed() const { return embed_; }
   const float* embed_norm_w() const { return embed_norm_w_; }  // null without embedding_norm
   const float* embed_norm_b() const { return embed_norm_b_; }
@@ -98,6 +116,10 @@ class Model {
   std::string dir_;
   TensorMap storage_;
   std::vector<LayerWeights> layers_;
+  std::vector<LayerWeights> encoder_layers_;
+  const float* encoder_final_norm_w_ = nullptr;
+  const float* encoder_final_norm_b_ = nullptr;
+  std::vector<int32_t> t5_encoder_table_;
   const float* embed_ = nullptr;
   const float* embed_norm_w_ = nullptr;
   const float* embed_norm_b_ = nullptr;

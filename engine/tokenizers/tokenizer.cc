@@ -1,9 +1,12 @@
 #include "engine/tokenizers/tokenizer.h"
 
+#include <algorithm>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "engine/tokenizers/sentencepiece_wrapper.h"
 
@@ -60,9 +63,19 @@ class ByteTokenizer final : public Tokenizer {
 // once it no longer ends in an incomplete character (decoding a window keeps spacing right).
 class SentencePieceStream final : public StreamDecoder {
  public:
-  explicit SentencePieceStream(const SentencePieceModel* sp) : sp_(sp) {}
+  SentencePieceStream(const SentencePieceModel* sp, int extra_ids) : sp_(sp), extra_ids_(extra_ids) {}
 
   std::string Push(int32_t id) override {
+    const int pieces = sp_->size();
+    if (id < 0 || id >= pieces) {
+      // A sentinel is text of its own (the window restarts after it); other ids above the model's
+      // pieces (vocabulary padding) decode to nothing.
+      if (id < pieces || id >= pieces + extra_ids_) return "";
+      std::string out = Finish();
+      ids_.clear();
+      prefix_offset_ = read_offset_ = 0;
+      return absl::StrCat(out, "<extra_id_", pieces + extra_ids_ - 1 - id, ">");
+    }
     ids_.push_back(id);
     const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
     const std::string text = DecodeRange(prefix_offset_, ids_.size());
@@ -84,6 +97,7 @@ class SentencePieceStream final : public StreamDecoder {
   }
 
   const SentencePieceModel* sp_;
+  int extra_ids_;
   std::vector<int> ids_;
   size_t prefix_offset_ = 0, read_offset_ = 0;
 };
@@ -91,18 +105,44 @@ class SentencePieceStream final : public StreamDecoder {
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   std::vector<int32_t> Encode(absl::string_view text) const override {
-    const std::vector<int> ids = sp_->Encode(std::string(text));
-    return std::vector<int32_t>(ids.begin(), ids.end());
+    std::vector<int32_t> out;
+    auto encode = [&](absl::string_view segment) {
+      if (segment.empty()) return;
+      for (int id : sp_->Encode(std::string(segment))) out.push_back(id);
+    };
+    // Sentinels <extra_id_N> are tokens of their own; the text between them is encoded piecewise.
+    size_t from = 0;
+    for (size_t at = text.find("<extra_id_"); extra_ids_ > 0 && at != absl::string_view::npos;
+         at = text.find("<extra_id_", at + 1)) {
+      const size_t close = text.find('>', at);
+      int n = -1;
+      if (close == absl::string_view::npos || close - at > 14 ||
+          !absl::SimpleAtoi(text.substr(at + 10, close - at - 10), &n) || n < 0 || n >= extra_ids_ ||
+          !absl::ascii_isdigit(text[at + 10])) {
+        continue;
+      }
+      encode(text.substr(from, at - from));
+      out.push_back(sp_->size() + extra_ids_ - 1 - n);
+      from = close + 1;
+    }
+    encode(text.substr(from));
+    if (append_eos_ >= 0) out.push_back(append_eos_);
+    return out;
   }
   std::unique_ptr<StreamDecoder> NewStream() const override {
-    return std::make_unique<SentencePieceStream>(sp_.get());
+    return std::make_unique<SentencePieceStream>(sp_.get(), extra_ids_);
   }
   std::string TokenText(int32_t id) const override {
+    if (id >= sp_->size() && id < sp_->size() + extra_ids_) {
+      return absl::StrCat("<extra_id_", sp_->size() + extra_ids_ - 1 - id, ">");
+    }
     if (id < 0 || id >= sp_->size()) return absl::StrCat("<", id, ">");
     return Escaped(sp_->Piece(id));
   }
 
   std::unique_ptr<SentencePieceModel> sp_;
+  int extra_ids_ = 0;
+  int32_t append_eos_ = -1;
 };
 
 }  // namespace
@@ -164,8 +204,10 @@ std::string Tokenizer::Decode(absl::Span<const int32_t> ids) const {
 std::unique_ptr<Tokenizer> NewByteTokenizer() { return std::make_unique<ByteTokenizer>(); }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::string& path,
-                                                                     int vocab_size) {
+                                                                     int vocab_size, int extra_ids,
+                                                                     int32_t append_eos) {
   auto t = std::make_unique<SentencePieceTokenizer>();
+  t->append_eos_ = append_eos;
   std::string error;
   t->sp_ = SentencePieceModel::Load(path, &error);
   if (t->sp_ == nullptr) {
@@ -177,6 +219,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::
                                                    " pieces, more than the config's vocab_size ",
                                                    vocab_size));
   }
+  // A checkpoint's vocabulary may stop short of all sentinels (only those inside it exist).
+  t->extra_ids_ = std::max(0, std::min(extra_ids, vocab_size - t->sp_->size()));
   return std::unique_ptr<Tokenizer>(std::move(t));
 }
 
@@ -186,7 +230,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewTokenizer(const ModelConfig& confi
   if (config.tokenizer == TokenizerKind::kBpe) {
     return NewBpeTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size);
   }
-  return NewSentencePieceTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size);
+  return NewSentencePieceTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size,
+                                   config.tokenizer_extra_ids,
+                                   config.tokenizer_append_eos ? config.eos_token_id : -1);
 }
 
 }  // namespace relgen

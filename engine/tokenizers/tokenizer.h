@@ -38,8 +38,11 @@ class Tokenizer {
 };
 
 std::unique_ptr<Tokenizer> NewByteTokenizer();
+// `extra_ids` T5 sentinels <extra_id_N> sit right above the model's pieces (extra_id_0 highest);
+// `append_eos` >= 0 ends every encoded text with that id.
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::string& path,
-                                                                     int vocab_size);
+                                                                     int vocab_size, int extra_ids = 0,
+                                                                     int32_t append_eos = -1);
 // A byte-level BPE tokenizer from a Hugging Face `tokenizer.json` (engine/tokenizers/bpe_tokenizer.cc).
 // Invalid UTF-8 input is made valid first (see bpe_tokenizer.h for the contract).
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewBpeTokenizer(const std::string& path, int vocab_size);
