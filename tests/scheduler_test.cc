@@ -97,5 +97,54 @@ TEST(SchedulerTest, RequestLargerThanTheWholeCacheIsNeverAdmitted) {
   EXPECT_TRUE(ComputeSchedule({}, w, 16, Config(1000)).chunks.empty());
 }
 
+// Encoder-decoder: an admitted sequence's input (encoded whole) is charged to the budget and gets
+// blocks for its cross-attention K/V besides its decoder blocks.
+TEST(SchedulerTest, EncoderInputIsChargedAndGetsItsOwnBlocks) {
+  SchedSeq a = Waiting(1, 1), b = Waiting(2, 1), c = Waiting(3, 1);
+  a.encoder_tokens = 30;  // 8 blocks of 4
+  b.encoder_tokens = 20;  // 5 blocks
+  c.encoder_tokens = 10;
+  const SchedSeq w[] = {a, b, c};
+  const Schedule s = ComputeSchedule({}, w, 100, Config(60));
+  // 30 + 1, then 20 + 1 = 52 of 60; the third (10 + 1) does not fit the budget.
+  ASSERT_EQ(s.chunks.size(), 2u);
+  EXPECT_EQ(s.chunks[0].num_tokens, 1);
+  EXPECT_EQ(s.chunks[0].new_blocks, 1);
+  EXPECT_EQ(s.chunks[0].encoder_blocks, 8);
+  EXPECT_EQ(s.chunks[1].encoder_blocks, 5);
+  // Blocks: 1 + 8 fit 9 free, and then nothing more.
+  const Schedule tight = ComputeSchedule({}, w, 9, Config(60));
+  ASSERT_EQ(tight.chunks.size(), 1u);
+  EXPECT_EQ(tight.chunks[0].id, 1);
+}
+
+TEST(SchedulerTest, InputLongerThanTheBudgetStillEncodesAlone) {
+  SchedSeq a = Waiting(1, 1);
+  a.encoder_tokens = 500;
+  const Schedule s = ComputeSchedule({}, {&a, 1}, 1000, Config(64));
+  ASSERT_EQ(s.chunks.size(), 1u);  // charged 63 + 1: the whole budget
+  EXPECT_EQ(s.chunks[0].encoder_blocks, 125);
+  // Behind a decoding sequence it waits for a step with the budget free of others.
+  const SchedSeq r[] = {Decoding(2, 9)};
+  EXPECT_EQ(ComputeSchedule(r, {&a, 1}, 1000, Config(64)).chunks.size(), 1u);
+}
+
+TEST(SchedulerTest, PreemptionFreesCrossBlocksToo) {
+  // `old` recomputes 32 decoder tokens (8 new blocks); nothing is free. Preempting `young` frees its
+  // decoder block and its input's 10 blocks: 11, enough, so `old` runs.
+  SchedSeq old = {1, 40, 8, 2, 12, 3};
+  SchedSeq young = Decoding(2, 5);
+  young.encoder_tokens = 40;
+  young.encoder_blocks = 10;
+  const SchedSeq r[] = {old, young};
+  const Schedule s = ComputeSchedule(r, {}, 0, Config());
+  ASSERT_EQ(s.preempted.size(), 1u);
+  EXPECT_EQ(s.preempted[0], 2);
+  ASSERT_EQ(s.chunks.size(), 1u);
+  EXPECT_EQ(s.chunks[0].id, 1);
+  EXPECT_EQ(s.chunks[0].num_tokens, 32);
+  EXPECT_EQ(s.chunks[0].new_blocks, 8);
+}
+
 }  // namespace
 }  // namespace relgen

@@ -156,7 +156,7 @@ def write_bad(out, good, family, manifest):
 
     d = copy(f"{family}-unknown-model-type")
     edit_config(d, lambda c: c.update(model_type="gpt_bigcode"))
-    expect(f"{family}-unknown-model-type", d, "gpt_bigcode", "bloom and mpt")
+    expect(f"{family}-unknown-model-type", d, "gpt_bigcode", "bloom, mpt, t5 and mt5")
 
     d = copy(f"{family}-math-key")
     if family == "bloom":
