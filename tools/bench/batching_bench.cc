@@ -50,7 +50,8 @@ double Run(Engine& engine, const std::vector<Request>& work, bool together, int6
 
 }  // namespace
 
-int RunBatchingBench(const std::string& model_dir, int sequences, int prompt_len, int new_tokens, int threads) {
+int RunBatchingBench(const std::string& model_dir, int sequences, int prompt_len, int new_tokens, int threads,
+                     bool sequential) {
   auto model = Model::Load(model_dir);
   if (!model.ok()) {
     std::fprintf(stderr, "%s\n", std::string(model.status().message()).c_str());
@@ -73,12 +74,15 @@ int RunBatchingBench(const std::string& model_dir, int sequences, int prompt_len
   const std::vector<Request> work = Work(sequences, prompt_len, new_tokens);
   int64_t tokens_seq = 0, tokens_batch = 0;
   Run(**engine, Work(1, prompt_len, 8), false, &tokens_seq);  // warm up
-  const double seq = Run(**engine, work, false, &tokens_seq);
+  const double seq = sequential ? Run(**engine, work, false, &tokens_seq) : 0.0;
   const int64_t steps_before = (*engine)->Stats().steps;
   const double batch = Run(**engine, work, true, &tokens_batch);
   const int64_t steps = (*engine)->Stats().steps - steps_before;
-  std::printf("one at a time: %6lld tokens in %7.2f s = %8.1f tokens/s\n", static_cast<long long>(tokens_seq), seq, tokens_seq / seq);
+  if (sequential) {
+    std::printf("one at a time: %6lld tokens in %7.2f s = %8.1f tokens/s\n", static_cast<long long>(tokens_seq), seq, tokens_seq / seq);
+  }
   std::printf("%2d concurrent: %6lld tokens in %7.2f s = %8.1f tokens/s\n", sequences, static_cast<long long>(tokens_batch), batch, tokens_batch / batch);
+  if (!sequential) return 0;
   std::printf("speedup: %.2fx (concurrent run: %lld steps, %.1f tokens per step)\n",
               (tokens_batch / batch) / (tokens_seq / seq), static_cast<long long>(steps),
               double(sequences) * (prompt_len + new_tokens) / std::max<int64_t>(steps, 1));

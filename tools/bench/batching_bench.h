@@ -5,6 +5,8 @@
 
 namespace relgen::bench {
 
-int RunBatchingBench(const std::string& model_dir, int sequences, int prompt_len, int new_tokens, int threads);
+// `sequential` false: only the concurrent run (no one-at-a-time baseline, no speedup line).
+int RunBatchingBench(const std::string& model_dir, int sequences, int prompt_len, int new_tokens, int threads,
+                     bool sequential = true);
 
 }  // namespace relgen::bench

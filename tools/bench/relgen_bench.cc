@@ -1,6 +1,6 @@
 // relgen-bench: engine micro-benchmarks (and, later, the serving load generator).
 //   relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]
-//   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0]
+//   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0] [--sequential 1]
 //   relgen-bench engine --model DIR ...   (relgen vs the PyTorch reference, with rooflines)
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
 #include <cstdio>
@@ -20,6 +20,7 @@ int Usage() {
   std::fprintf(stderr,
                "usage: relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]\n"
                "       relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0]\n"
+               "                             [--sequential 1]   (0: the concurrent run only)\n"
                "       relgen-bench engine --model DIR [--batches 1,16] [--contexts 512] [--steps 16] [--threads 0]\n"
                "                           [--no_torch] [--json FILE]\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
@@ -71,10 +72,10 @@ int main(int argc, char** argv) {
   }
   if (cmd == "batching") {
     std::string model;
-    int sequences = 16, prompt = 16, fresh = 128, threads = 0;
+    int sequences = 16, prompt = 16, fresh = 128, threads = 0, sequential = 1;
     for (auto& [f, v] : flags) {
       int* target = f == "--sequences" ? &sequences : f == "--prompt" ? &prompt : f == "--new" ? &fresh
-                  : f == "--threads" ? &threads : nullptr;
+                  : f == "--threads" ? &threads : f == "--sequential" ? &sequential : nullptr;
       if (f == "--model") {
         model = v;
       } else if (target == nullptr || !absl::SimpleAtoi(v, target) || *target < 0) {
@@ -82,7 +83,7 @@ int main(int argc, char** argv) {
       }
     }
     if (model.empty() || sequences < 1 || prompt < 1 || fresh < 1) return Usage();
-    return relgen::bench::RunBatchingBench(model, sequences, prompt, fresh, threads);
+    return relgen::bench::RunBatchingBench(model, sequences, prompt, fresh, threads, sequential != 0);
   }
   if (cmd == "engine") {
     relgen::bench::EngineBenchOptions o;
