@@ -137,6 +137,17 @@ TEST_P(T5CheckpointTest, TokenizerMatchesTransformers) {
   for (const auto& s : manifest["sentinel_texts"]) {
     EXPECT_EQ((*tok)->Encode(s["text"].get<std::string>()), s["ids"].get<std::vector<int32_t>>()) << s["text"];
   }
+  // Sequences with lone and leading spaces, special ids and sentinels, whole and streamed.
+  if (manifest["tokenizer_json"].get<bool>()) ASSERT_GE(manifest["decode_cases"].size(), 100u);
+  for (const auto& d : manifest["decode_cases"]) {
+    const auto ids = d["ids"].get<std::vector<int32_t>>();
+    const std::string want = d["text"].get<std::string>();
+    EXPECT_EQ((*tok)->Decode(ids), want) << d["ids"];
+    auto stream = (*tok)->NewStream();
+    std::string streamed;
+    for (int32_t id : ids) streamed += stream->Push(id);
+    EXPECT_EQ(streamed + stream->Finish(), want) << d["ids"];
+  }
   const int top = model_->config().vocab_size - 1;  // <extra_id_0>
   EXPECT_EQ((*tok)->TokenText(top), "<extra_id_0>");
   EXPECT_EQ((*tok)->Decode({top}), "<extra_id_0>");

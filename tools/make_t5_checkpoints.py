@@ -218,6 +218,31 @@ def write_bad(out, good, prefix, manifest):
     expect(f"{prefix}-no-spiece", d, "spiece.model")
 
 
+def decode_cases(slow, fast, rng, count=400):
+    """Id sequences as a model may emit them, as T5TokenizerFast decodes them: lone and leading
+    "▁" pieces, short pieces, <pad>/</s>/<unk> (skip_special_tokens drops them) and sentinels
+    (kept as text, so those sequences hold no other special ids and decode without skipping)."""
+    pieces = slow.sp_model.get_piece_size()
+    special = {slow.pad_token_id, slow.eos_token_id, slow.unk_token_id}
+    short = [i for i in range(pieces) if len(slow.sp_model.id_to_piece(i)) <= 2]
+    spaces = [i for i in range(pieces) if slow.sp_model.id_to_piece(i).strip("▁") == ""]
+    assert spaces, "the SentencePiece model has no lone ▁ piece"
+    cases = []
+    for n in range(count):
+        ids = [rng.choice(spaces) if r < 0.15 else rng.choice(short) if r < 0.6 else rng.randrange(pieces)
+               for r in (rng.random() for _ in range(rng.randint(1, 10)))]
+        if n % 3 == 0:
+            ids = [i for i in ids if i not in special]
+            for _ in range(rng.randint(1, 2)):
+                ids.insert(rng.randint(0, len(ids)), fast.convert_tokens_to_ids(f"<extra_id_{rng.randrange(3)}>"))
+            text = fast.decode(ids, skip_special_tokens=False)
+        else:
+            text = fast.decode(ids, skip_special_tokens=True)
+        cases.append({"ids": ids, "text": text})
+    assert any(c["text"].startswith(" ") for c in cases) and any("  " in c["text"] for c in cases)
+    return cases
+
+
 def write_case(out, name, model, tok, inputs, results, text, text_ids, text_result, seed, dtype="F32"):
     """Saves the checkpoint (whole and sharded) and its reference; returns its manifest entry."""
     d = os.path.join(out, name)
@@ -325,6 +350,7 @@ def main():
             {"text": t, "ids": encode(t, special=True)}
             for t in ("The <extra_id_0> walks in <extra_id_1> park", "<extra_id_0>", "a<extra_id_7>b <extra_id_1>.",
                       "not a sentinel: <extra_id_99> <extra_id_x>")]
+        manifest["decode_cases"] = decode_cases(slow, fast, random.Random(11)) if fast is not None else []
     for prefix in ("t5", "mt5"):
         good = next(c["dir"] for c in manifest["cases"]
                     if c["model_type"] == prefix and not c["tied"] and c["dtype"] == "F32")

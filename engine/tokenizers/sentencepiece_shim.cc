@@ -66,6 +66,12 @@ __attribute__((visibility("default"))) char* relgen_spm_piece(void* sp, int id, 
   return Copy(static_cast<sentencepiece::SentencePieceProcessor*>(sp)->IdToPiece(id), len);
 }
 
+// Control pieces (<pad>, </s>) and the unknown piece: what T5's tokenizers drop from decoded text.
+__attribute__((visibility("default"))) int relgen_spm_special(void* sp, int id) {
+  const auto* p = static_cast<sentencepiece::SentencePieceProcessor*>(sp);
+  return p->IsControl(id) || p->IsUnknown(id) ? 1 : 0;
+}
+
 __attribute__((visibility("default"))) void relgen_spm_release(void* p) { std::free(p); }
 
 }  // extern "C"

@@ -20,6 +20,7 @@ struct Shim {
   int* (*encode)(void*, const char*, size_t, int*);
   char* (*decode)(void*, const int*, int, size_t*);
   char* (*piece)(void*, int, size_t*);
+  int (*special)(void*, int);
   void (*release)(void*);
 };
 
@@ -56,8 +57,10 @@ const Shim* LoadShim(std::string* error) {
     shim.encode = reinterpret_cast<decltype(shim.encode)>(dlsym(h, "relgen_spm_encode"));
     shim.decode = reinterpret_cast<decltype(shim.decode)>(dlsym(h, "relgen_spm_decode"));
     shim.piece = reinterpret_cast<decltype(shim.piece)>(dlsym(h, "relgen_spm_piece"));
+    shim.special = reinterpret_cast<decltype(shim.special)>(dlsym(h, "relgen_spm_special"));
     shim.release = reinterpret_cast<decltype(shim.release)>(dlsym(h, "relgen_spm_release"));
-    if (shim.load && shim.free_model && shim.size && shim.encode && shim.decode && shim.piece && shim.release) {
+    if (shim.load && shim.free_model && shim.size && shim.encode && shim.decode && shim.piece && shim.special &&
+        shim.release) {
       loaded = &shim;
     } else {
       load_error = "librelgen_spm.so lacks its entry points";
@@ -93,6 +96,7 @@ class Impl final : public SentencePieceModel {
     shim_->release(s);
     return out;
   }
+  bool IsSpecial(int id) const override { return shim_->special(sp_, id) != 0; }
 
  private:
   const Shim* shim_;

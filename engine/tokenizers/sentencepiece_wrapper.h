@@ -17,6 +17,8 @@ class SentencePieceModel {
   virtual std::string Decode(const std::vector<int>& ids) const = 0;
   virtual int size() const = 0;
   virtual std::string Piece(int id) const = 0;
+  // A control piece (<pad>, </s>) or the unknown piece.
+  virtual bool IsSpecial(int id) const = 0;
 };
 
 }  // namespace relgen

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "engine/tokenizers/sentencepiece_wrapper.h"
 
 namespace relgen {
@@ -60,10 +61,14 @@ class ByteTokenizer final : public Tokenizer {
 };
 
 // Streams SentencePiece text by decoding a short window of recent ids and emitting what it adds
-// once it no longer ends in an incomplete character (decoding a window keeps spacing right).
+// once it no longer ends in an incomplete character. SentencePiece drops all leading whitespace of
+// what it decodes, so each window is decoded behind a fixed anchor piece and the anchor's text cut
+// off; as T5's fast tokenizer does, only the first piece of the output loses its leading spaces.
+// Control pieces and <unk> decode to nothing (transformers' skip_special_tokens).
 class SentencePieceStream final : public StreamDecoder {
  public:
-  SentencePieceStream(const SentencePieceModel* sp, int extra_ids) : sp_(sp), extra_ids_(extra_ids) {}
+  SentencePieceStream(const SentencePieceModel* sp, int extra_ids, int anchor)
+      : sp_(sp), extra_ids_(extra_ids), anchor_(anchor) {}
 
   std::string Push(int32_t id) override {
     const int pieces = sp_->size();
@@ -74,7 +79,16 @@ class SentencePieceStream final : public StreamDecoder {
       std::string out = Finish();
       ids_.clear();
       prefix_offset_ = read_offset_ = 0;
+      first_ = false;
+      strip_ = 0;
       return absl::StrCat(out, "<extra_id_", pieces + extra_ids_ - 1 - id, ">");
+    }
+    if (sp_->IsSpecial(id)) return "";
+    if (first_) {
+      first_ = false;
+      const std::string text = sp_->Piece(id);
+      absl::string_view piece = text;
+      while (absl::ConsumePrefix(&piece, kSpaceMark)) ++strip_;
     }
     ids_.push_back(id);
     const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
@@ -82,24 +96,39 @@ class SentencePieceStream final : public StreamDecoder {
     if (text.size() <= prefix.size() || absl::EndsWith(text, kReplacement)) return "";
     prefix_offset_ = read_offset_;
     read_offset_ = ids_.size();
-    return text.substr(prefix.size());
+    return Emit(text.substr(prefix.size()));
   }
   std::string Finish() override {
     const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
     const std::string text = DecodeRange(prefix_offset_, ids_.size());
     prefix_offset_ = read_offset_ = ids_.size();
-    return text.size() > prefix.size() ? text.substr(prefix.size()) : "";
+    return text.size() > prefix.size() ? Emit(text.substr(prefix.size())) : "";
   }
 
  private:
+  static constexpr char kSpaceMark[] = "\xE2\x96\x81";  // U+2581, SentencePiece's space
+
   std::string DecodeRange(size_t begin, size_t end) const {
-    return sp_->Decode(std::vector<int>(ids_.begin() + begin, ids_.begin() + end));
+    std::vector<int> window;
+    if (anchor_ >= 0) window.push_back(anchor_);
+    window.insert(window.end(), ids_.begin() + begin, ids_.begin() + end);
+    return sp_->Decode(window);
+  }
+  std::string Emit(std::string text) {
+    size_t cut = 0;
+    while (strip_ > 0 && cut < text.size() && text[cut] == ' ') ++cut, --strip_;
+    text.erase(0, cut);
+    if (!text.empty()) strip_ = 0;
+    return text;
   }
 
   const SentencePieceModel* sp_;
   int extra_ids_;
+  int anchor_;
   std::vector<int> ids_;
   size_t prefix_offset_ = 0, read_offset_ = 0;
+  bool first_ = true;  // no piece or sentinel seen yet
+  int strip_ = 0;      // leading spaces of the first piece still to drop
 };
 
 class SentencePieceTokenizer final : public Tokenizer {
@@ -130,7 +159,7 @@ class SentencePieceTokenizer final : public Tokenizer {
     return out;
   }
   std::unique_ptr<StreamDecoder> NewStream() const override {
-    return std::make_unique<SentencePieceStream>(sp_.get(), extra_ids_);
+    return std::make_unique<SentencePieceStream>(sp_.get(), extra_ids_, anchor_);
   }
   std::string TokenText(int32_t id) const override {
     if (id >= sp_->size() && id < sp_->size() + extra_ids_) {
@@ -143,6 +172,7 @@ class SentencePieceTokenizer final : public Tokenizer {
   std::unique_ptr<SentencePieceModel> sp_;
   int extra_ids_ = 0;
   int32_t append_eos_ = -1;
+  int anchor_ = -1;  // a piece that decodes to itself with no space: see SentencePieceStream
 };
 
 }  // namespace
@@ -221,6 +251,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::
   }
   // A checkpoint's vocabulary may stop short of all sentinels (only those inside it exist).
   t->extra_ids_ = std::max(0, std::min(extra_ids, vocab_size - t->sp_->size()));
+  for (int id = 0; id < t->sp_->size() && t->anchor_ < 0; ++id) {
+    const std::string piece = t->sp_->Piece(id);
+    if (!piece.empty() && !t->sp_->IsSpecial(id) && piece.find("\xE2\x96\x81") == std::string::npos &&
+        t->sp_->Decode({id}) == piece) {
+      t->anchor_ = id;
+    }
+  }
   return std::unique_ptr<Tokenizer>(std::move(t));
 }
 
