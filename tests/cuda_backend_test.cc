@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -14,12 +15,14 @@
 #include "engine/backends/cuda_backend.h"
 #include "engine/backends/device.h"
 #include "engine/core/engine.h"
+#include "engine/tokenizers/tokenizer.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/relpos_device.h"
 #include "kernels/relpos_host.h"
 #include "tests/hf_reference.h"
+#include "tests/t5_reference.h"
 #include "tests/test_util.h"
 #if RELGEN_SIMT_EMULATOR
 #include "tests/simt/simt.h"
@@ -234,6 +237,104 @@ INSTANTIATE_TEST_SUITE_P(Hf, CudaHfTest, ::testing::ValuesIn(HfCaseNames()), [](
 });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaHfTest);
 
+// Hugging Face T5 / mT5 encoder-decoder checkpoints (tests/t5_reference.h) on the CUDA backend:
+// the encoder (bidirectional attention, T5's signed buckets), cross-attention over the input's K/V in
+// the paged pool, the lm_head input scale of tied T5. Transformers' logits at every decoder step and
+// its greedy tokens; a decoder chunk (what a preempted sequence recomputes) equal to step by step;
+// the inputs encoded together in one step, then decoded together, equal to each alone.
+class CudaT5Test : public ::testing::TestWithParam<std::string> {};
+
+// The same logits: bitwise on the emulator (its GEMM sums each element in one order whatever the
+// shape); within float rounding on a GPU, where cuBLAS may pick another kernel for another shape.
+void ExpectSameLogits(const float* got, const float* want, int rows, int vocab, const std::string& what) {
+  if (kEmulated) {
+    EXPECT_EQ(std::memcmp(got, want, sizeof(float) * rows * vocab), 0) << what;
+    return;
+  }
+  const std::vector<double> w(want, want + int64_t{rows} * vocab);
+  testing::ExpectRowsClose(got, w.data(), rows, vocab, 1e-5, what);
+}
+
+TEST_P(CudaT5Test, MatchesTransformers) {
+  REQUIRE_GPU();
+  for (const auto& c : testing::T5Cases()) {
+    if (c["name"] != GetParam()) continue;
+    auto model = Model::Load(c["dir"]);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const ModelConfig& mc = (*model)->config();
+    std::vector<testing::T5Input> inputs = testing::ReadT5Reference(c);
+    ASSERT_GE(inputs.size(), 3u);
+    // Emulated, where the encoder's attention dominates: the inputs of 1, 7 and 64 tokens (64
+    // spans KV blocks and passes t5-v1_1's max_distance of 40; CudaKernelsTest covers the signed
+    // buckets beyond it on both sides), all new tokens, or under a sanitizer 16 (past a KV block).
+    int max_new = 1 << 30;
+    if (kEmulated) {
+      inputs.resize(std::min<size_t>(inputs.size(), 3));
+      if (kSanitized) max_new = 16;
+    }
+    const int vocab = mc.vocab_size, start = mc.decoder_start_token_id;
+    auto stepwise_backend = NewCudaBackend(*model, KvCacheConfig{16, 128});
+    ASSERT_TRUE(stepwise_backend.ok()) << stepwise_backend.status();
+    const std::vector<float> stepwise =
+        testing::ExpectBackendMatchesT5(**stepwise_backend, inputs, vocab, start, 1e-4, GetParam(), false, max_new);
+    auto chunked_backend = NewCudaBackend(*model, KvCacheConfig{16, 128});
+    ASSERT_TRUE(chunked_backend.ok()) << chunked_backend.status();
+    const std::vector<float> chunked = testing::ExpectBackendMatchesT5(**chunked_backend, inputs, vocab, start, 1e-4,
+                                                                       GetParam() + " chunked", true, max_new);
+    ASSERT_FALSE(stepwise.empty());
+    ASSERT_EQ(chunked.size(), stepwise.size());
+    const int rows = static_cast<int>(stepwise.size() / vocab);
+    ExpectSameLogits(chunked.data(), stepwise.data(), rows, vocab, GetParam() + ": chunked vs stepwise");
+
+    // Every input encoded in one step (rows of different inputs in one launch, each seeing only its
+    // own), then one decode step for all: each sequence's rows as alone.
+    const int n = static_cast<int>(inputs.size()), per_input = rows / n, bs = 16;
+    std::vector<std::vector<int32_t>> dec(n), self(n), cross(n);
+    std::vector<SequenceStep> batch(n);
+    int next_block = (*stepwise_backend)->kv_cache().num_blocks - 1;
+    for (int i = 0; i < n; ++i) {
+      dec[i] = {start, inputs[i].greedy[0]};
+      self[i] = {next_block--};
+      const int len = static_cast<int>(inputs[i].input.size());
+      for (int b = 0; b * bs < len; ++b) cross[i].push_back(next_block--);
+      ASSERT_GE(next_block, 0);
+      batch[i].tokens = absl::MakeConstSpan(dec[i]).subspan(0, 1);
+      batch[i].block_table = self[i];
+      batch[i].encoder_tokens = inputs[i].input;
+      batch[i].encoder_len = len;
+      batch[i].cross_block_table = cross[i];
+    }
+    std::vector<float> first, second;
+    ASSERT_TRUE((*stepwise_backend)->Forward(batch, &first).ok());
+    for (int i = 0; i < n; ++i) {
+      batch[i].tokens = absl::MakeConstSpan(dec[i]).subspan(1, 1);
+      batch[i].start_pos = 1;
+      batch[i].encoder_tokens = {};
+    }
+    ASSERT_TRUE((*stepwise_backend)->Forward(batch, &second).ok());
+    ASSERT_EQ(first.size(), size_t{static_cast<size_t>(n)} * vocab);
+    ASSERT_EQ(second.size(), first.size());
+    for (int i = 0; i < n; ++i) {
+      const float* alone = stepwise.data() + int64_t{i} * per_input * vocab;
+      const std::string what = GetParam() + " batched, input " + std::to_string(i);
+      ExpectSameLogits(first.data() + int64_t{i} * vocab, alone, 1, vocab, what + " step 0");
+      ExpectSameLogits(second.data() + int64_t{i} * vocab, alone + vocab, 1, vocab, what + " step 1");
+    }
+  }
+}
+
+std::vector<std::string> T5CaseNames() {
+  std::vector<std::string> names;
+  for (const auto& c : testing::T5Cases()) names.push_back(c["name"]);
+  return names;
+}
+INSTANTIATE_TEST_SUITE_P(T5, CudaT5Test, ::testing::ValuesIn(T5CaseNames()), [](const auto& i) {
+  std::string n = i.param;
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n;
+});
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaT5Test);
+
 // Batched output == single-request output on the GPU engine (greedy, float32).
 TEST(CudaEngineTest, BatchedEqualsAlone) {
   REQUIRE_GPU();
@@ -265,6 +366,87 @@ TEST(CudaEngineTest, BatchedEqualsAlone) {
   std::vector<std::shared_ptr<RequestHandle>> hs;
   for (const Request& r : work) hs.push_back(*batch_engine->Submit(r));
   for (size_t i = 0; i < hs.size(); ++i) EXPECT_EQ(drain(*hs[i]), alone[i]) << "request " << i;
+}
+
+// T5 through the engine on the GPU backend, its loop driven here: requests admitted while others
+// decode (steps that encode some inputs and decode other sequences), an input longer than the step
+// budget (encoded in a step of its own); each request's greedy tokens and log-probabilities as it
+// alone produces them, and no self or cross block left after.
+TEST(CudaEngineTest, T5AdmittedWhileOthersDecodeEqualsAlone) {
+  REQUIRE_GPU();
+  nlohmann::json c;
+  for (const auto& t : testing::T5Cases()) {
+    if (t["name"] == "t5-v1_1") c = t;
+  }
+  if (c.is_null()) GTEST_SKIP() << "no T5 fixture (RELGEN_T5_CASES_DIR)";
+  auto model = Model::Load(c["dir"]);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto make = [&] {
+    EngineConfig config;
+    config.background_thread = false;
+    config.scheduler.max_batch_tokens = 48;
+    auto tokenizer = NewTokenizer((*model)->config(), (*model)->dir());
+    EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
+    auto e = Engine::Create(*model, *NewCudaBackend(*model, KvCacheConfig{16, 64}), *std::move(tokenizer), config);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return *std::move(e);
+  };
+  const std::vector<int> lengths = kSanitized ? std::vector<int>{1, 60, 7, 12} : std::vector<int>{1, 60, 7, 23, 3, 12};
+  std::vector<Request> work;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    Request r;
+    for (int t = 0; t < lengths[i]; ++t) r.prompt.push_back(3 + static_cast<int>((i * 131 + t * 37) % 400));
+    r.sampling.temperature = 0;
+    r.sampling.logprobs = 0;
+    r.stop.max_new_tokens = 5 + static_cast<int>(i);
+    r.stop.ignore_eos = true;
+    work.push_back(r);
+  }
+  // Submits work[i] before step i (the rest at once after), steps until all finish.
+  auto run = [](Engine& e, const std::vector<Request>& reqs) {
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    std::vector<Output> out(reqs.size());
+    std::vector<bool> done(reqs.size());
+    for (size_t finished = 0, step = 0; finished < reqs.size(); ++step) {
+      if (step < reqs.size()) hs.push_back(*e.Submit(reqs[step]));
+      e.RunOnce();
+      for (size_t i = 0; i < hs.size(); ++i) {
+        Output o;
+        while (!done[i] && hs[i]->Next(&o, absl::ZeroDuration())) {
+          out[i].token_ids.insert(out[i].token_ids.end(), o.token_ids.begin(), o.token_ids.end());
+          out[i].logprobs.insert(out[i].logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+          if (o.finished) {
+            EXPECT_TRUE(o.status.ok()) << o.status;
+            done[i] = true;
+            ++finished;
+          }
+        }
+      }
+      if (step > 1000) {
+        ADD_FAILURE() << "requests did not finish";
+        break;
+      }
+    }
+    return out;
+  };
+  auto together_engine = make();
+  const std::vector<Output> together = run(*together_engine, work);
+  EXPECT_EQ(together_engine->Stats().kv_blocks_used, 0) << "self or cross blocks left after finish";
+  for (size_t i = 0; i < work.size(); ++i) {
+    auto alone_engine = make();
+    const Output alone = run(*alone_engine, {work[i]})[0];
+    EXPECT_EQ(together[i].token_ids, alone.token_ids) << "request " << i;
+    ASSERT_EQ(together[i].logprobs.size(), alone.logprobs.size()) << "request " << i;
+    ASSERT_EQ(static_cast<int>(alone.logprobs.size()), work[i].stop.max_new_tokens) << "request " << i;
+    for (size_t t = 0; t < alone.logprobs.size(); ++t) {
+      // Bitwise on the emulator; on a GPU cuBLAS may sum another step shape in another order.
+      if (kEmulated) {
+        EXPECT_EQ(together[i].logprobs[t].logprob, alone.logprobs[t].logprob) << "request " << i << " token " << t;
+      } else {
+        EXPECT_NEAR(together[i].logprobs[t].logprob, alone.logprobs[t].logprob, 1e-4) << "request " << i;
+      }
+    }
+  }
 }
 
 // The device evaluates the shared index functions as the host does (relpos_device.cu).
@@ -336,6 +518,80 @@ TEST(CudaKernelsTest, WriteKvMatchesTheCpuPoolLayout) {
     ASSERT_TRUE(std::isnan(vwant[i]) ? std::isnan(vgot[i]) : vgot[i] == vwant[i]) << "V pool element " << i;
   }
   for (void* d : {static_cast<void*>(p.k), static_cast<void*>(p.v)}) cudaFree(d);
+}
+
+// The encoder's bidirectional attention against cpu::AttentionBidirectional: inputs of several
+// lengths packed in one launch (each row sees only its own input, before and after it), their K/V
+// read in place as the backend lays them ([rows, width] as a pool of one-token blocks), T5's signed
+// buckets past max_distance on both sides, key splits (some empty for the short inputs), a head_dim
+// that is not a multiple of the warp.
+TEST(CudaKernelsTest, BidirectionalAttentionMatchesCpuTwin) {
+  REQUIRE_GPU();
+  const int H = 3, hd = 40, W = H * hd, buckets = 16, max_distance = 20;
+  const std::vector<int> lengths = OnThreads() ? std::vector<int>{1, 9, 6} : std::vector<int>{1, 5, 47, 30, 2};
+  const int kps = OnThreads() ? 4 : 8;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd;
+  auto randv = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = nd(rng);
+    return v;
+  };
+  const int total = std::accumulate(lengths.begin(), lengths.end(), 0);
+  const int longest = *std::max_element(lengths.begin(), lengths.end());
+  const std::vector<float> q = randv(size_t(total) * W), k = randv(size_t(total) * W), v = randv(size_t(total) * W);
+  const std::vector<float> bias = randv(size_t(H) * buckets);
+  const std::vector<int32_t> table = relpos::T5SignedBucketTable(buckets, max_distance);
+  std::vector<int32_t> position, first, keys, identity(total);
+  std::iota(identity.begin(), identity.end(), 0);
+  for (int len : lengths) {
+    for (int i = 0; i < len; ++i) {
+      position.push_back(i);
+      first.push_back(static_cast<int32_t>(position.size()) - 1 - i);
+      keys.push_back(len);
+    }
+  }
+  cuda::Rows r{total, Upload(position), Upload(first), Upload(identity), Upload(keys)};
+  const cuda::KvPool pool{Upload(k), Upload(v), 1, H, hd};
+  float* dq = Upload(q);
+  float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(total, H, hd, longest, kps), 1)));
+  for (relpos::Scheme scheme : {relpos::Scheme::kT5, relpos::Scheme::kNone}) {
+    cpu::RelativeParams crel;
+    crel.scheme = scheme;
+    crel.t5_bias = bias.data();
+    crel.t5_num_buckets = buckets;
+    crel.t5_bucket_of_distance = table.data();
+    crel.t5_table_len = static_cast<int>(table.size());
+    const cpu::AttentionDims dims{H, hd, 0.3f};
+    std::vector<float> want(size_t(total) * W);
+    for (size_t j = 0, row = 0; j < lengths.size(); row += lengths[j], ++j) {
+      // One contiguous block per input, as the CPU backend's encoder keeps them.
+      std::vector<float> kb(size_t(lengths[j]) * W), vb(kb.size());
+      static const int32_t kOneBlock[1] = {0};
+      const cpu::KvView view{kb.data(), vb.data(), kOneBlock, lengths[j], H, hd};
+      cpu::WriteKv(view, k.data() + row * W, v.data() + row * W, 0, lengths[j]);
+      cpu::AttentionBidirectional(dims, crel, view, q.data() + row * W, lengths[j], want.data() + row * W);
+    }
+    cuda::Relative grel;
+    grel.scheme = scheme;
+    grel.t5_bias = Upload(bias);
+    grel.t5_num_buckets = buckets;
+    grel.t5_bucket_of_distance = Upload(table);
+    grel.t5_table_len = static_cast<int>(table.size());
+    float* dout = Upload(std::vector<float>(size_t(total) * W, NAN));
+    ASSERT_EQ(cuda::AttentionBidirectional(dq, r, longest, dims.scale, grel, pool, dout, work, kps, nullptr),
+              cudaSuccess);
+    std::vector<float> got(size_t(total) * W);
+    ASSERT_EQ(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-4 * (1 + std::abs(want[i]))) << "scheme " << static_cast<int>(scheme) << " " << i;
+    }
+  }
+  // Only T5's buckets or nothing: another scheme is refused, not computed as if causal.
+  cuda::Relative skew;
+  skew.scheme = relpos::Scheme::kSkew;
+  EXPECT_EQ(cuda::AttentionBidirectional(dq, r, longest, 1.f, skew, pool, dq, work, kps, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST(CudaKernelsTest, RowKernelsMatchCpuTwins) {
@@ -443,6 +699,64 @@ TEST(CudaEmulatorTest, CountsWork) {
     EXPECT_EQ(n.launch_errors, 0);
   }
   EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
+}
+
+// An encoder-decoder forward as the emulator counts it: the step that encodes an input runs the
+// encoder's projections, every decoder layer's cross K/V, then the decoder with cross-attention;
+// the next step only the decoder. No hazard, no refused launch; a start that fails part-way and a
+// backend that ends give all their memory back (the signed bucket table included).
+TEST(CudaEmulatorTest, T5CountsWorkAndReturnsMemory) {
+  nlohmann::json t5;
+  for (const auto& t : testing::T5Cases()) {
+    if (t["name"] == "t5-v1_1") t5 = t;
+  }
+  if (t5.is_null()) GTEST_SKIP() << "no T5 fixture (RELGEN_T5_CASES_DIR)";
+  auto model = *Model::Load(t5["dir"]);
+  const ModelConfig& c = model->config();
+  ASSERT_TRUE(c.encoder_decoder);
+  const int ffn = c.ffn_gated ? 3 : 2;
+  const int64_t before = simt::GetCounters().bytes_in_use;
+  {
+    auto backend = NewCudaBackend(model, KvCacheConfig{16, 8});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    simt::ResetCounters();
+    const std::vector<int32_t> input = {5, 9, 2, 44, 1}, dec = {c.decoder_start_token_id, 7}, self = {3}, cross = {6};
+    SequenceStep s;
+    s.tokens = absl::MakeConstSpan(dec).subspan(0, 1);
+    s.block_table = self;
+    s.encoder_tokens = input;
+    s.encoder_len = static_cast<int>(input.size());
+    s.cross_block_table = cross;
+    std::vector<float> logits;
+    ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+    const int64_t decoder = c.n_layers * (4 + 2 + ffn) + 1;  // self q/k/v/o, cross q/o, FFN; lm_head
+    simt::Counters n = simt::GetCounters();
+    EXPECT_EQ(n.gemms, c.n_encoder_layers * (4 + ffn) + 2 * c.n_layers + decoder);
+    EXPECT_EQ(n.launch_errors, 0);
+    EXPECT_EQ(n.stream_hazards, 0) << simt::LastFault();
+    EXPECT_EQ(n.bytes_d2h, int64_t{c.vocab_size} * static_cast<int64_t>(sizeof(float)));
+    simt::ResetCounters();
+    s.tokens = absl::MakeConstSpan(dec).subspan(1, 1);
+    s.start_pos = 1;
+    s.encoder_tokens = {};
+    ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+    n = simt::GetCounters();
+    EXPECT_EQ(n.gemms, decoder) << "a decode step encodes nothing";
+    EXPECT_EQ(n.launch_errors, 0);
+    // An input without cross blocks for its K/V: refused, and the backend stays usable.
+    s.cross_block_table = {};
+    EXPECT_EQ((*backend)->Forward({&s, 1}, &logits).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE((*backend)->Broken().ok());
+    s.cross_block_table = cross;
+    EXPECT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+  }
+  EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
+  const int64_t limit = simt::MemoryLimit();
+  simt::SetMemoryLimit(before + model->float_bytes() + 4096);
+  auto failed = NewCudaBackend(model, KvCacheConfig{16, 4096});
+  simt::SetMemoryLimit(limit);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(simt::GetCounters().bytes_in_use, before) << "bytes left allocated by a failed start";
 }
 
 // Device memory is capped: the backend reports an allocation that does not fit, and frees the rest.

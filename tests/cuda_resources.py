@@ -69,7 +69,7 @@ BUDGETS = {
     "GatedKernel": Budget(threads=256, regs=32),  # 100%
     "AddKernel": Budget(threads=256, regs=32),  # 100%
     "WriteKvKernel": Budget(threads=64, regs=32),  # 100%: 32 blocks x 2 warps
-    "AttentionKernel": Budget(threads=128, regs=80),  # >= 37.5%: 6 blocks x 4 warps
+    "AttentionKernel": Budget(threads=128, regs=80),  # >= 37.5%: 6 blocks x 4 warps; causal and bidirectional
     "CombineKernel": Budget(threads=64, regs=64),  # >= 50%: 16 blocks x 2 warps
     # kernels/cuda/relpos_device.cu
     "RelIndexKernel": Budget(threads=256, regs=32),  # 100% (16x16 blocks)

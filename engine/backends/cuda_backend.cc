@@ -82,6 +82,7 @@ class CudaBackend final : public Backend {
     for (float* p : k_pools_) cudaFree(p);
     for (float* p : v_pools_) cudaFree(p);
     cudaFree(t5_table_);
+    cudaFree(t5_encoder_table_);
     cudaFree(alibi_);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -125,14 +126,16 @@ class CudaBackend final : public Backend {
       const int64_t usable = static_cast<int64_t>(free) - options_.headroom_bytes;
       const int64_t blocks =
           usable <= 0 ? 0 : static_cast<int64_t>(options_.kv_memory_fraction * static_cast<double>(usable)) / per_block;
-      const int64_t need = (c.max_seq_len + kv_.block_size - 1) / kv_.block_size;
+      // An encoder-decoder sequence also holds its input's cross-attention K/V.
+      const int64_t need =
+          (c.encoder_decoder ? 2 : 1) * int64_t{(c.max_seq_len + kv_.block_size - 1) / kv_.block_size};
       if (blocks < need) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "device ", device_, ": ", free >> 20, " MiB free after the weights (", weight_bytes_ >> 20,
             " MiB) and the largest step's buffers (", StepBytes(largest) >> 20, " MiB); ",
             options_.kv_memory_fraction, " of it less ", options_.headroom_bytes >> 20, " MiB of headroom holds ",
             blocks * kv_.block_size, " KV tokens, fewer than one sequence of max_seq_len ", c.max_seq_len,
-            " (", per_block / kv_.block_size, " bytes per token)"));
+            c.encoder_decoder ? " (input and output)" : "", " (", per_block / kv_.block_size, " bytes per token)"));
       }
       kv_.num_blocks = static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
     }
@@ -147,6 +150,12 @@ class CudaBackend final : public Backend {
       RELGEN_CUDA_RETURN(cudaMalloc(&t5_table_, t.size() * sizeof(int32_t)));
       RELGEN_CUDA_RETURN(
           cudaMemcpyAsync(t5_table_, t.data(), t.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    }
+    if (!model_->t5_encoder_bucket_table().empty()) {
+      const auto& t = model_->t5_encoder_bucket_table();
+      RELGEN_CUDA_RETURN(cudaMalloc(&t5_encoder_table_, t.size() * sizeof(int32_t)));
+      RELGEN_CUDA_RETURN(cudaMemcpyAsync(t5_encoder_table_, t.data(), t.size() * sizeof(int32_t),
+                                         cudaMemcpyHostToDevice, stream_));
     }
     if (!model_->alibi_slopes().empty()) {
       const auto& s = model_->alibi_slopes();
@@ -194,25 +203,41 @@ class CudaBackend final : public Backend {
 
  private:
   absl::Status RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits);
-  // What a step's buffers are sized by.
+  // The inputs of `enc` (rows.keys: each row's input length), encoded; then every decoder layer's
+  // cross-attention K/V of them written into the pool through `cross` (their cross block tables).
+  absl::Status Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross);
+  // The residual feed-forward block of the layer named by prefix `p`, on x_'s first `rows` rows.
+  absl::Status FeedForward(const std::string& p, int rows);
+  // What a step's buffers are sized by. `tokens` is the rows of the activations: a step's decoder
+  // tokens, or the inputs it encodes where they are more.
   struct StepShape {
-    int64_t tokens = 0, kept = 0, tables = 0;
+    int64_t tokens = 0, kept = 0, tables = 0, encoded = 0;
     int max_keys = 1;
   };
   StepShape LargestStep() const {
     const ModelConfig& c = model_->config();
     StepShape s;
+    const int64_t per_seq = (c.max_seq_len + kv_.block_size - 1) / kv_.block_size;
     s.tokens = options_.max_step_tokens;
     s.kept = std::min(options_.max_step_tokens, options_.max_step_seqs);
-    s.tables = int64_t{options_.max_step_seqs} * ((c.max_seq_len + kv_.block_size - 1) / kv_.block_size);
+    s.tables = int64_t{options_.max_step_seqs} * per_seq;
     s.max_keys = c.max_seq_len;
+    if (c.encoder_decoder) {
+      // The scheduler charges an admitted input to the step's token budget, but an input longer
+      // than the budget still encodes whole (alone): up to max_seq_len rows. Cross tables too.
+      s.encoded = std::max<int64_t>(options_.max_step_tokens, c.max_seq_len);
+      s.tokens = s.encoded;
+      s.tables *= 2;
+    }
     return s;
   }
   // Each step buffer and its size in elements (meta: int32, the rest: float).
   std::vector<std::pair<DeviceBuffer*, int64_t>> StepBuffers(const StepShape& s) {
     const ModelConfig& c = model_->config();
     const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
-    return {{&meta_, 3 * s.tokens + s.tables + s.kept},
+    // Meta: 3 ints per decoder row, 2 more for its cross-attention, 6 per encoded row (RunSteps).
+    const int64_t meta = (c.encoder_decoder ? 5 : 3) * s.tokens + s.tables + s.kept + 6 * s.encoded;
+    return {{&meta_, meta},
             {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&q_, s.tokens * w}, {&k_, s.tokens * w},
             {&v_, s.tokens * w}, {&att_, s.tokens * w}, {&tmp_, s.tokens * d}, {&up_, s.tokens * f},
             {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
@@ -250,6 +275,21 @@ class CudaBackend final : public Backend {
                                   c.norm_eps, y, stream_));
     return absl::OkStatus();
   }
+  // The encoder's relative term, as the CPU's: T5's signed buckets, or none.
+  cuda::Relative EncoderRel(int layer) const {
+    const ModelConfig& c = model_->config();
+    cuda::Relative r;
+    if (c.rel.scheme != relpos::Scheme::kT5) return r;
+    const std::string p =
+        c.rel.share_across_layers ? "encoder.attn." : absl::StrCat("encoder.layers.", layer, ".attn.");
+    r.scheme = relpos::Scheme::kT5;
+    r.heads_share = c.rel.heads_share_table;
+    r.t5_bias = W(p + "rel_bias");
+    r.t5_num_buckets = c.rel.num_buckets;
+    r.t5_bucket_of_distance = t5_encoder_table_;
+    r.t5_table_len = static_cast<int>(model_->t5_encoder_bucket_table().size());
+    return r;
+  }
   cuda::Relative Rel(int layer) const {
     const ModelConfig& c = model_->config();
     const std::string p = c.rel.share_across_layers ? "attn." : absl::StrCat("layers.", layer, ".attn.");
@@ -279,24 +319,37 @@ class CudaBackend final : public Backend {
   std::unordered_map<std::string, float*> weights_;
   std::vector<float*> k_pools_, v_pools_;
   int32_t* t5_table_ = nullptr;
+  int32_t* t5_encoder_table_ = nullptr;  // encoder-decoder T5: signed buckets
   float* alibi_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
   absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, work_, logits_d_, meta_;
 };
 
-const float* CudaBackend::Host(const std::string& name) const {
+const float* CudaBackend::Host(const std::string& full_name) const {
   // Model's host weights by name, through the same layout the CPU backend reads.
   const ModelConfig& c = model_->config();
-  if (name == "embed.weight") return model_->embed();
-  if (name == "embed_norm.weight") return model_->embed_norm_w();
-  if (name == "embed_norm.bias") return model_->embed_norm_b();
-  if (name == "final_norm.weight") return model_->final_norm_w();
-  if (name == "final_norm.bias") return model_->final_norm_b();
-  if (name == "lm_head.weight") return model_->lm_head();
+  // "encoder.": the encoder's stack of an encoder-decoder model (layers, shared relative table,
+  // final norm), its names otherwise the decoder's.
+  const bool encoder = c.encoder_decoder && full_name.rfind("encoder.", 0) == 0;
+  const std::string name = encoder ? full_name.substr(8) : full_name;
+  if (encoder) {
+    if (name == "final_norm.weight") return model_->encoder_final_norm_w();
+    if (name == "final_norm.bias") return model_->encoder_final_norm_b();
+  } else {
+    if (name == "embed.weight") return model_->embed();
+    if (name == "embed_norm.weight") return model_->embed_norm_w();
+    if (name == "embed_norm.bias") return model_->embed_norm_b();
+    if (name == "final_norm.weight") return model_->final_norm_w();
+    if (name == "final_norm.bias") return model_->final_norm_b();
+    if (name == "lm_head.weight") return model_->lm_head();
+  }
   const std::string rel_prefix = "attn.";
+  const int layers = encoder ? c.n_encoder_layers : c.n_layers;
+  auto layer = [&](int l) -> const LayerWeights& { return encoder ? model_->encoder_layer(l) : model_->layer(l); };
   if (name.rfind("layers.", 0) != 0) {  // shared relative tables
-    const LayerWeights& lw = model_->layer(0);
+    if (layers < 1) return nullptr;
+    const LayerWeights& lw = layer(0);
     if (name == rel_prefix + "rel_k") return lw.rel_k;
     if (name == rel_prefix + "rel_v") return lw.rel_v;
     if (name == rel_prefix + "rel_bias") return lw.rel_bias;
@@ -304,8 +357,8 @@ const float* CudaBackend::Host(const std::string& name) const {
   }
   const size_t dot = name.find('.', 7);
   const int l = std::stoi(name.substr(7, dot - 7));
-  if (l < 0 || l >= c.n_layers) return nullptr;
-  const LayerWeights& w = model_->layer(l);
+  if (l < 0 || l >= layers) return nullptr;
+  const LayerWeights& w = layer(l);
   const std::string rest = name.substr(dot + 1);
   const std::unordered_map<std::string, const float*> by_name = {
       {"attn_norm.weight", w.attn_norm_w}, {"attn_norm.bias", w.attn_norm_b}, {"attn.q.weight", w.wq},
@@ -313,41 +366,136 @@ const float* CudaBackend::Host(const std::string& name) const {
       {"attn.v.bias", w.bv}, {"attn.o.weight", w.wo}, {"attn.o.bias", w.bo}, {"ffn_norm.weight", w.ffn_norm_w},
       {"ffn_norm.bias", w.ffn_norm_b}, {"ffn.up.weight", w.w_up}, {"ffn.up.bias", w.b_up},
       {"ffn.gate.weight", w.w_gate}, {"ffn.gate.bias", w.b_gate}, {"ffn.down.weight", w.w_down},
-      {"ffn.down.bias", w.b_down}, {"attn.rel_k", w.rel_k}, {"attn.rel_v", w.rel_v}, {"attn.rel_bias", w.rel_bias}};
+      {"ffn.down.bias", w.b_down}, {"attn.rel_k", w.rel_k}, {"attn.rel_v", w.rel_v}, {"attn.rel_bias", w.rel_bias},
+      {"cross_norm.weight", w.cross_norm_w}, {"cross_norm.bias", w.cross_norm_b}, {"cross.q.weight", w.cq},
+      {"cross.q.bias", w.cq_b}, {"cross.k.weight", w.ck}, {"cross.k.bias", w.ck_b}, {"cross.v.weight", w.cv},
+      {"cross.v.bias", w.cv_b}, {"cross.o.weight", w.co}, {"cross.o.bias", w.co_b}};
   auto it = by_name.find(rest);
   return it == by_name.end() ? nullptr : it->second;
+}
+
+absl::Status CudaBackend::FeedForward(const std::string& p, int rows) {
+  const ModelConfig& c = model_->config();
+  const int d = c.d_model, f = c.ffn_dim;
+  const bool pre = c.norm_placement == NormPlacement::kPre;
+  const float* in = x_.f();
+  if (pre) {
+    if (auto s = Norm(x_.f(), rows, p + "ffn_norm", h_.f()); !s.ok()) return s;
+    in = h_.f();
+  }
+  const int act = ActivationCode(c.ffn_activation);
+  if (c.ffn_gated) {
+    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f()); !s.ok()) return s;
+    if (auto s = Linear(in, rows, d, p + "ffn.gate", f, gate_.f()); !s.ok()) return s;
+    RELGEN_CUDA_RETURN(cuda::ActivateGated(act, gate_.f(), up_.f(), int64_t{rows} * f, stream_));
+    if (auto s = Linear(gate_.f(), rows, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
+  } else {
+    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
+    if (auto s = Linear(up_.f(), rows, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
+  }
+  RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{rows} * d, stream_));
+  if (!pre) {
+    if (auto s = Norm(x_.f(), rows, p + "ffn_norm", x_.f()); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross) {
+  const ModelConfig& c = model_->config();
+  const int d = c.d_model, w = c.qkv_width(), rows = enc.n;
+  // As the CPU's encoder: the embedding, then per layer pre-norm self-attention and the
+  // feed-forward block, then the encoder's final norm.
+  RELGEN_CUDA_RETURN(cuda::Embedding(ids, rows, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
+  // The projections' K/V [rows, width] are read in place as a pool of one-token blocks: block b
+  // is row b, and each row's table starts at its input's first row (enc.table_offset into the
+  // identity table), so attention never crosses inputs and no copy is made.
+  const cuda::KvPool own{k_.f(), v_.f(), 1, c.n_heads, c.head_dim};
+  for (int l = 0; l < c.n_encoder_layers; ++l) {
+    const std::string p = absl::StrCat("encoder.layers.", l, ".");
+    if (auto s = Norm(x_.f(), rows, p + "attn_norm", h_.f()); !s.ok()) return s;
+    for (auto [name, out] : {std::pair{"attn.q", q_.f()}, std::pair{"attn.k", k_.f()}, std::pair{"attn.v", v_.f()}}) {
+      if (auto s = Linear(h_.f(), rows, d, p + name, w, out); !s.ok()) return s;
+    }
+    RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q_.f(), enc, max_len, c.attention_scale, EncoderRel(l), own,
+                                                    att_.f(), work_.f(), kKeysPerSplit, stream_));
+    if (auto s = Linear(att_.f(), rows, w, p + "attn.o", d, tmp_.f()); !s.ok()) return s;
+    RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{rows} * d, stream_));
+    if (auto s = FeedForward(p, rows); !s.ok()) return s;
+  }
+  if (auto s = Norm(x_.f(), rows, "encoder.final_norm", h_.f()); !s.ok()) return s;
+  // Every decoder layer's cross-attention keys and values of the encoder output, into the pool.
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = absl::StrCat("layers.", l, ".");
+    if (auto s = Linear(h_.f(), rows, d, p + "cross.k", w, k_.f()); !s.ok()) return s;
+    if (auto s = Linear(h_.f(), rows, d, p + "cross.v", w, v_.f()); !s.ok()) return s;
+    const cuda::KvPool pool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim};
+    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, cross, k_.f(), v_.f(), stream_));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
   const ModelConfig& c = model_->config();
   RELGEN_CUDA_RETURN(cudaSetDevice(device_));
   // Host-side metadata: tokens, each row's position and block-table offset, rows to keep.
-  if (auto v = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_); !v.ok()) return v;
+  if (auto v = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_, c.encoder_decoder); !v.ok()) return v;
+  const bool enc_dec = c.encoder_decoder;
   std::vector<int32_t> tokens, position, table_offset, tables, keep;
-  int max_keys = 1;
+  // Encoder-decoder only. Per decoder row, its cross-attention: the position of the input's last
+  // token (every encoder key visible, as cpu::AttentionDecode at encoder_len - 1) and the offset
+  // of its cross table in `tables`. Per row of each input encoded this step: its id, its position
+  // in the input, its input's first row and length, its cross table's offset; `identity` is the
+  // block table of the encoder's one-token blocks (Encode).
+  std::vector<int32_t> cross_position, cross_offset, enc_ids, enc_position, enc_first, enc_len, enc_cross, identity;
+  int max_keys = 1, max_input = 1, max_encoded = 1;
   for (const SequenceStep& s : steps) {
     const int n = static_cast<int>(s.tokens.size());
     const int offset = static_cast<int>(tables.size());
     tables.insert(tables.end(), s.block_table.begin(), s.block_table.end());
+    const int cross = static_cast<int>(tables.size());
+    if (enc_dec) tables.insert(tables.end(), s.cross_block_table.begin(), s.cross_block_table.end());
     for (int i = 0; i < n; ++i) {
       const int32_t t = s.tokens[i];
       if (s.all_logits || i == n - 1) keep.push_back(static_cast<int32_t>(tokens.size()));
       tokens.push_back(t);
       position.push_back(s.start_pos + i);
       table_offset.push_back(offset);
+      if (enc_dec) {
+        cross_position.push_back(s.encoder_len - 1);
+        cross_offset.push_back(cross);
+      }
     }
     max_keys = std::max(max_keys, s.start_pos + n);
+    if (enc_dec) max_input = std::max(max_input, s.encoder_len);
+    if (enc_dec && !s.encoder_tokens.empty()) {
+      const int first = static_cast<int>(enc_ids.size());
+      for (int i = 0; i < s.encoder_len; ++i) {
+        enc_ids.push_back(s.encoder_tokens[i]);
+        enc_position.push_back(i);
+        enc_first.push_back(first);
+        enc_len.push_back(s.encoder_len);
+        enc_cross.push_back(cross);
+        identity.push_back(first + i);
+      }
+      max_encoded = std::max(max_encoded, s.encoder_len);
+    }
   }
   const int total = static_cast<int>(tokens.size()), kept = static_cast<int>(keep.size());
-  const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
-  // Metadata in one upload: tokens | position | table_offset | tables | keep.
+  const int encoded = static_cast<int>(enc_ids.size());
+  const int d = c.d_model, w = c.qkv_width();
+  // Metadata in one upload: tokens | position | table_offset | tables | keep, then (encoder-decoder)
+  // cross_position | cross_offset | enc_ids | enc_position | enc_first | enc_len | enc_cross | identity.
   std::vector<int32_t> meta;
-  for (const auto* v : {&tokens, &position, &table_offset, &tables, &keep}) meta.insert(meta.end(), v->begin(), v->end());
+  for (const auto* v : {&tokens, &position, &table_offset, &tables, &keep, &cross_position, &cross_offset, &enc_ids,
+                        &enc_position, &enc_first, &enc_len, &enc_cross, &identity}) {
+    meta.insert(meta.end(), v->begin(), v->end());
+  }
   StepShape shape;
-  shape.tokens = total;
+  shape.tokens = std::max(total, encoded);
   shape.kept = kept;
   shape.tables = static_cast<int64_t>(tables.size());
-  shape.max_keys = max_keys;
+  shape.encoded = encoded;
+  shape.max_keys = std::max({max_keys, max_input, max_encoded});
   if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, meta.data(), meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   const int32_t* d_tokens = meta_.i();
@@ -357,6 +505,23 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   rows.table_offset = d_tokens + 2 * total;
   rows.block_tables = d_tokens + 3 * total;
   const int32_t* d_keep = rows.block_tables + tables.size();
+  cuda::Rows cross_rows = rows;
+  cross_rows.position = d_keep + kept;
+  cross_rows.table_offset = cross_rows.position + cross_position.size();
+  if (encoded > 0) {
+    const int32_t* e = cross_rows.table_offset + cross_offset.size();
+    cuda::Rows enc;  // e: ids | position | first | len | cross | identity, `encoded` each
+    enc.n = encoded;
+    enc.position = e + encoded;
+    enc.table_offset = e + 2 * encoded;
+    enc.keys = e + 3 * encoded;
+    enc.block_tables = e + 5 * encoded;
+    cuda::Rows write = enc;  // the same rows into their cross blocks
+    write.keys = nullptr;
+    write.table_offset = e + 4 * encoded;
+    write.block_tables = rows.block_tables;
+    if (auto s = Encode(e, enc, max_encoded, write); !s.ok()) return s;
+  }
 
   RELGEN_CUDA_RETURN(cuda::Embedding(d_tokens, total, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
   if (c.embedding_norm) {
@@ -382,35 +547,27 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
     if (!pre) {
       if (auto s = Norm(x_.f(), total, p + "attn_norm", x_.f()); !s.ok()) return s;
     }
-    in = x_.f();
-    if (pre) {
-      if (auto s = Norm(x_.f(), total, p + "ffn_norm", h_.f()); !s.ok()) return s;
-      in = h_.f();
+    if (enc_dec) {
+      // Cross-attention: every new token over all its input's keys in the pool, no relative term.
+      if (auto s = Norm(x_.f(), total, p + "cross_norm", h_.f()); !s.ok()) return s;
+      if (auto s = Linear(h_.f(), total, d, p + "cross.q", w, q_.f()); !s.ok()) return s;
+      RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
+                                         att_.f(), work_.f(), kKeysPerSplit, stream_));
+      if (auto s = Linear(att_.f(), total, w, p + "cross.o", d, tmp_.f()); !s.ok()) return s;
+      RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
     }
-    const int act = ActivationCode(c.ffn_activation);
-    if (c.ffn_gated) {
-      if (auto s = Linear(in, total, d, p + "ffn.up", f, up_.f()); !s.ok()) return s;
-      if (auto s = Linear(in, total, d, p + "ffn.gate", f, gate_.f()); !s.ok()) return s;
-      RELGEN_CUDA_RETURN(cuda::ActivateGated(act, gate_.f(), up_.f(), int64_t{total} * f, stream_));
-      if (auto s = Linear(gate_.f(), total, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
-    } else {
-      if (auto s = Linear(in, total, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
-      if (auto s = Linear(up_.f(), total, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
-    }
-    RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
-    if (!pre) {
-      if (auto s = Norm(x_.f(), total, p + "ffn_norm", x_.f()); !s.ok()) return s;
-    }
+    if (auto s = FeedForward(p, total); !s.ok()) return s;
   }
-  // The kept rows (gathered like an embedding lookup), the final norm, the vocabulary projection.
+  // The kept rows (gathered like an embedding lookup), the final norm, the vocabulary projection
+  // (whose alpha is the lm_head input scale: tied T5's d_model^-0.5, else 1).
   RELGEN_CUDA_RETURN(cuda::Embedding(d_keep, kept, x_.f(), d, 1.f, h_.f(), stream_));
   if (pre) {
     if (auto s = Norm(h_.f(), kept, "final_norm", h_.f()); !s.ok()) return s;
   }
-  const float one = 1.f, zero = 0.f;
+  const float alpha = c.lm_head_input_scale, zero = 0.f;
   const float* head = c.tie_embeddings ? W("embed.weight") : W("lm_head.weight");
-  RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &one, head, d, h_.f(), d,
-                                   &zero, logits_d_.f(), c.vocab_size));
+  RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &alpha, head, d, h_.f(),
+                                   d, &zero, logits_d_.f(), c.vocab_size));
   logits->resize(int64_t{kept} * c.vocab_size);
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_d_.ptr, logits->size() * sizeof(float),
                                      cudaMemcpyDeviceToHost, stream_));

@@ -41,9 +41,13 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     if (o.kv_block_size < 1) return absl::InvalidArgumentError("KV block size must be >= 1");
     if (o.kv_cache_tokens > 0) {
       const int64_t blocks = (o.kv_cache_tokens + o.kv_block_size - 1) / o.kv_block_size;
-      if (blocks * o.kv_block_size < c.max_seq_len) {
-        return absl::InvalidArgumentError(absl::StrCat("a device KV pool of ", blocks * o.kv_block_size,
-                                                       " tokens cannot hold one sequence of max_seq_len ", c.max_seq_len));
+      // An encoder-decoder sequence also holds its input's cross-attention K/V.
+      const int64_t need =
+          (c.encoder_decoder ? 2 : 1) * int64_t{(c.max_seq_len + o.kv_block_size - 1) / o.kv_block_size};
+      if (blocks < need) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a device KV pool of ", blocks * o.kv_block_size, " tokens cannot hold one sequence of max_seq_len ",
+            c.max_seq_len, c.encoder_decoder ? " (input and output)" : ""));
       }
       co.num_blocks = static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
     }

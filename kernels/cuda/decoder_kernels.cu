@@ -107,17 +107,26 @@ __global__ void WriteKvKernel(KvPool kv, Rows rows, const float* k, const float*
   }
 }
 
+// T5's bucket of the signed relative position key_pos - query_pos, from the signed table
+// (relpos::T5SignedBucketTable, centred at table_len / 2; farther positions clamp to its ends).
+__device__ __forceinline__ int T5SignedBucket(const int32_t* table, int table_len, int relative) {
+  const int half = table_len / 2;
+  return table[(relative < -half ? -half : (relative > half ? half : relative)) + half];
+}
+
 // One (row, head, key split) per block; each warp takes every kWarps-th key with its own online
-// softmax, and the warps merge at the end.
+// softmax, and the warps merge at the end. kBidirectional (an encoder): the row sees keys
+// 0..rows.keys[r]-1 on both sides and T5's buckets come from the signed table; otherwise causal.
+template <bool kBidirectional>
 __global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative rel, KvPool kv, float* out,
                                 float* workspace, int keys_per_split) {
   const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hd = kv.head_dim, width = kv.n_heads * hd;
   const int pos = rows.position[r];
-  const int ks = relpos::WindowStart(rel.scheme, pos, rel.block_length);
+  const int ks = kBidirectional ? 0 : relpos::WindowStart(rel.scheme, pos, rel.block_length);
   const int begin = ks + split * keys_per_split;
-  const int end = min(pos + 1, begin + keys_per_split);
+  const int end = min(kBidirectional ? rows.keys[r] : pos + 1, begin + keys_per_split);
   const int32_t* table = rows.block_tables + rows.table_offset[r];
   const int th = rel.heads_share ? 0 : h;
   const float rel_mult = rel.scale_with_qk ? scale : 1.f;
@@ -135,28 +144,34 @@ __global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative
     const int dist = pos - j;
     float rv = 0.f;
     const float* value_extra = nullptr;
-    switch (rel.scheme) {
-      case relpos::Scheme::kSkew:
-      case relpos::Scheme::kSkewLocal: {
-        const int row = relpos::SkewRow(dist, rel.rows);
-        if (row >= 0) rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
-        break;
+    if constexpr (kBidirectional) {
+      if (rel.scheme == relpos::Scheme::kT5) {
+        rv = rel.t5_bias[th * rel.t5_num_buckets + T5SignedBucket(rel.t5_bucket_of_distance, rel.t5_table_len, -dist)];
       }
-      case relpos::Scheme::kShaw: {
-        const int row = relpos::ShawRow(pos, j, rel.clip_k);
-        rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
-        if (rel.table_v != nullptr) value_extra = rel.table_v + (int64_t{th} * rel.rows + row) * hd;
-        break;
+    } else {
+      switch (rel.scheme) {
+        case relpos::Scheme::kSkew:
+        case relpos::Scheme::kSkewLocal: {
+          const int row = relpos::SkewRow(dist, rel.rows);
+          if (row >= 0) rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
+          break;
+        }
+        case relpos::Scheme::kShaw: {
+          const int row = relpos::ShawRow(pos, j, rel.clip_k);
+          rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
+          if (rel.table_v != nullptr) value_extra = rel.table_v + (int64_t{th} * rel.rows + row) * hd;
+          break;
+        }
+        case relpos::Scheme::kT5:
+          rv = rel.t5_bias[th * rel.t5_num_buckets +
+                           relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
+          break;
+        case relpos::Scheme::kAlibi:
+          rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
+          break;
+        default:
+          break;
       }
-      case relpos::Scheme::kT5:
-        rv = rel.t5_bias[th * rel.t5_num_buckets +
-                         relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
-        break;
-      case relpos::Scheme::kAlibi:
-        rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
-        break;
-      default:
-        break;
     }
     const float s = scale * dot + rel_mult * rv;
     const float m_new = fmaxf(m, s);
@@ -279,18 +294,36 @@ int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, in
   return splits > 1 ? int64_t{rows} * n_heads * splits * (head_dim + 2) : 0;
 }
 
-cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel, const KvPool& kv,
-                      float* out, float* workspace, int keys_per_split, cudaStream_t s) {
+namespace {
+
+template <bool kBidirectional>
+cudaError_t LaunchAttention(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
+                            const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t s) {
   if (kv.head_dim > 32 * kMaxPerLane || kv.head_dim < 1) return cudaErrorInvalidValue;  // dispatch: head_dim <= 256
   if (rows.n == 0) return cudaSuccess;
   const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
   const size_t smem = sizeof(float) * kWarps * (kv.head_dim + 2);
-  RELGEN_LAUNCH(AttentionKernel, dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s)(
+  RELGEN_LAUNCH(AttentionKernel<kBidirectional>, dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s)(
       q, rows, scale, rel, kv, out, workspace, keys_per_split);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
   RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, 0, s)(workspace, splits, kv.n_heads, kv.head_dim, out);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel, const KvPool& kv,
+                      float* out, float* workspace, int keys_per_split, cudaStream_t s) {
+  return LaunchAttention<false>(q, rows, max_keys, scale, rel, kv, out, workspace, keys_per_split, s);
+}
+
+cudaError_t AttentionBidirectional(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
+                                   const KvPool& kv, float* out, float* workspace, int keys_per_split,
+                                   cudaStream_t s) {
+  if (rel.scheme != relpos::Scheme::kNone && rel.scheme != relpos::Scheme::kT5) return cudaErrorInvalidValue;
+  if (rows.n > 0 && rows.keys == nullptr) return cudaErrorInvalidValue;
+  return LaunchAttention<true>(q, rows, max_keys, scale, rel, kv, out, workspace, keys_per_split, s);
 }
 
 }  // namespace relgen::cuda

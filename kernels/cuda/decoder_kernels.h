@@ -44,6 +44,8 @@ struct Rows {
   const int32_t* position = nullptr;
   const int32_t* table_offset = nullptr;
   const int32_t* block_tables = nullptr;
+  // AttentionBidirectional only: row r sees keys 0..keys[r]-1 of its sequence (its input's length).
+  const int32_t* keys = nullptr;
 };
 
 // out[i, :] = table[ids[i], :] * scale (cpu::Embedding).
@@ -72,5 +74,14 @@ cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const fl
 cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
                       const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t stream);
 int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, int keys_per_split);
+// Bidirectional self-attention (an encoder; cpu::AttentionBidirectional): row r, at position
+// rows.position[r], attends every key 0..rows.keys[r]-1 of its sequence's cache, before and after
+// it, with no causal mask. Relative terms: kNone, or kT5 with `t5_bucket_of_distance` the signed
+// table (relpos::T5SignedBucketTable: entry key_pos - query_pos + t5_table_len/2, clamped at both
+// ends); any other scheme is cudaErrorInvalidValue. Splits, workspace and `max_keys` (the largest
+// keys[r]) as Attention's.
+cudaError_t AttentionBidirectional(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
+                                   const KvPool& kv, float* out, float* workspace, int keys_per_split,
+                                   cudaStream_t stream);
 
 }  // namespace relgen::cuda
