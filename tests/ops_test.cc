@@ -21,27 +21,39 @@ std::vector<float> Random(size_t n, uint32_t seed) {
   return v;
 }
 
+// Every kernel this CPU runs (the best is what the engine uses): a row's bits do not depend on
+// how many rows share the call or where it sits, and each matches a float64 reference.
 TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
   cpu::ThreadPool pool(2);
-  for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{512, 1536}}) {
-    const std::vector<float> w = Random(size_t(in) * out, 1), b = Random(out, 2);
-    const cpu::PackedMatrix packed(w.data(), out, in);
-    for (int rows : {1, 2, 3, 9, 16, 33, 130, 300}) {
-      const std::vector<float> x = Random(size_t(rows) * in, rows);
-      std::vector<float> all(size_t(rows) * out), one(out);
-      cpu::LinearPacked(x.data(), rows, packed, b.data(), all.data(), &pool);
-      for (int r = 0; r < rows; ++r) {
-        cpu::LinearPacked(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr);
-        ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0)
-            << "row " << r << " of " << rows << " (" << in << " -> " << out << ")";
-        for (int o = 0; o < out; ++o) {
-          double want = b[o];
-          for (int i = 0; i < in; ++i) want += double(x[size_t(r) * in + i]) * w[size_t(o) * in + i];
-          ASSERT_NEAR(one[o], want, 1e-4 * std::sqrt(double(in)) * 4) << r << "," << o;
+  for (cpu::GemmIsa isa : cpu::SupportedGemmIsas()) {
+    SCOPED_TRACE(cpu::GemmIsaName(isa));
+    for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{512, 1536}}) {
+      const std::vector<float> w = Random(size_t(in) * out, 1), b = Random(out, 2);
+      const cpu::PackedMatrix packed(w.data(), out, in);
+      for (int rows : {1, 2, 3, 7, 9, 13, 16, 33, 130, 300}) {
+        const std::vector<float> x = Random(size_t(rows) * in, rows);
+        std::vector<float> all(size_t(rows) * out), one(out);
+        cpu::LinearPacked(x.data(), rows, packed, b.data(), all.data(), &pool, isa);
+        for (int r = 0; r < rows; ++r) {
+          cpu::LinearPacked(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr, isa);
+          ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0)
+              << "row " << r << " of " << rows << " (" << in << " -> " << out << ")";
+          for (int o = 0; o < out; ++o) {
+            double want = b[o];
+            for (int i = 0; i < in; ++i) want += double(x[size_t(r) * in + i]) * w[size_t(o) * in + i];
+            ASSERT_NEAR(one[o], want, 1e-4 * std::sqrt(double(in)) * 4) << r << "," << o;
+          }
         }
       }
     }
   }
+  // The engine's kernel is the best one.
+  const std::vector<float> w = Random(64 * 48, 8), x = Random(5 * 64, 9);
+  const cpu::PackedMatrix packed(w.data(), 48, 64);
+  std::vector<float> best(5 * 48), dflt(5 * 48);
+  cpu::LinearPacked(x.data(), 5, packed, nullptr, best.data(), nullptr, cpu::SupportedGemmIsas().front());
+  cpu::LinearPacked(x.data(), 5, packed, nullptr, dflt.data(), nullptr);
+  EXPECT_EQ(std::memcmp(best.data(), dflt.data(), best.size() * sizeof(float)), 0);
 }
 
 TEST(LinearTest, BlasAgreesWithinRounding) {

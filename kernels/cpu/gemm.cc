@@ -8,39 +8,59 @@ namespace relgen::cpu {
 namespace {
 
 constexpr int kP = PackedMatrix::kPanel;
-constexpr int kRowBlock = 8;    // rows per micro-kernel (accumulators in registers)
 constexpr int kRowChunk = 128;  // rows per pass over the weights (keeps x in cache)
 
 typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
 
-// R rows x 16 outputs; acc[r] += x[r][kk] * panel[kk] for kk = 0..k-1 in order. The same
-// expression for every R, so a row's result does not depend on its block.
-template <int R>
+// R rows x 16 outputs, as L vectors V per row; acc[r] += x[r][kk] * panel[kk] for kk = 0..k-1 in
+// order. The same expression for every R and V, so a row's result does not depend on its block.
+template <typename V, int R>
 __attribute__((always_inline)) inline void Micro(const float* x, int ldx, const float* panel, int k,
                                                  const float* bias, int ncols, float* y, int ldy) {
-  V16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = V16{};
-  const V16* w = reinterpret_cast<const V16*>(panel);
-  for (int kk = 0; kk < k; ++kk) {
-    const V16 wk = w[kk];
-    for (int r = 0; r < R; ++r) acc[r] += x[r * ldx + kk] * wk;
+  constexpr int L = kP * sizeof(float) / sizeof(V);
+  V acc[R][L];
+  for (int r = 0; r < R; ++r) {
+    for (int l = 0; l < L; ++l) acc[r][l] = V{};
   }
+  const V* w = reinterpret_cast<const V*>(panel);
+  for (int kk = 0; kk < k; ++kk) {
+    V wk[L];
+    for (int l = 0; l < L; ++l) wk[l] = w[kk * L + l];
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * ldx + kk];
+      for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
+    }
+  }
+  constexpr int kLanes = sizeof(V) / sizeof(float);
   for (int r = 0; r < R; ++r) {
     float* yr = y + static_cast<int64_t>(r) * ldy;
-    for (int c = 0; c < ncols; ++c) yr[c] = bias != nullptr ? acc[r][c] + bias[c] : acc[r][c];
+    for (int c = 0; c < ncols; ++c) {
+      const float v = acc[r][c / kLanes][c % kLanes];
+      yr[c] = bias != nullptr ? v + bias[c] : v;
+    }
   }
 }
 
-#ifdef RELGEN_TSAN
-// The clone resolver runs before TSan's runtime is up, and TSan instruments it: one plain version.
-#define RELGEN_CLONES
-#else
-#define RELGEN_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#endif
+// Rows left over after the last full block of RB: one Micro<R> for R = left.
+template <typename V, int R>
+__attribute__((always_inline)) inline void Tail(int left, const float* x, int k, const float* panel,
+                                                const float* bias, int ncols, float* y, int ldy) {
+  if constexpr (R > 0) {
+    if (left == R) {
+      Micro<V, R>(x, k, panel, k, bias, ncols, y, ldy);
+    } else {
+      Tail<V, R - 1>(left, x, k, panel, bias, ncols, y, ldy);
+    }
+  }
+}
 
-RELGEN_CLONES
-void PanelRange(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
-                int p_begin, int p_end) {
+// RB rows per micro-kernel call: as many as keep RB x 16 accumulators, one panel row and a
+// broadcast in the vector registers (16 ymm with AVX2, 32 zmm with AVX-512).
+template <typename V, int RB>
+__attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows, const PackedMatrix& w,
+                                                       const float* bias, float* y, int p_begin, int p_end) {
   const int k = w.k(), n = w.n();
   for (int r0 = 0; r0 < rows; r0 += kRowChunk) {
     const int r1 = std::min(rows, r0 + kRowChunk);
@@ -50,23 +70,46 @@ void PanelRange(const float* x, int rows, const PackedMatrix& w, const float* bi
       const int ncols = std::min(kP, n - c0);
       const float* b = bias != nullptr ? bias + c0 : nullptr;
       int r = r0;
-      for (; r + kRowBlock <= r1; r += kRowBlock) {
-        Micro<kRowBlock>(x + static_cast<int64_t>(r) * k, k, panel, k, b, ncols, y + static_cast<int64_t>(r) * n + c0, n);
+      for (; r + RB <= r1; r += RB) {
+        Micro<V, RB>(x + int64_t{r} * k, k, panel, k, b, ncols, y + int64_t{r} * n + c0, n);
       }
-      const float* xr = x + static_cast<int64_t>(r) * k;
-      float* yr = y + static_cast<int64_t>(r) * n + c0;
-      switch (r1 - r) {
-        case 7: Micro<7>(xr, k, panel, k, b, ncols, yr, n); break;
-        case 6: Micro<6>(xr, k, panel, k, b, ncols, yr, n); break;
-        case 5: Micro<5>(xr, k, panel, k, b, ncols, yr, n); break;
-        case 4: Micro<4>(xr, k, panel, k, b, ncols, yr, n); break;
-        case 3: Micro<3>(xr, k, panel, k, b, ncols, yr, n); break;
-        case 2: Micro<2>(xr, k, panel, k, b, ncols, yr, n); break;
-        case 1: Micro<1>(xr, k, panel, k, b, ncols, yr, n); break;
-        default: break;
-      }
+      Tail<V, RB - 1>(r1 - r, x + int64_t{r} * k, k, panel, b, ncols, y + int64_t{r} * n + c0, n);
     }
   }
+}
+
+using PanelFn = void (*)(const float*, int, const PackedMatrix&, const float*, float*, int, int);
+
+__attribute__((target("avx512f"))) void PanelRangeAvx512(const float* x, int rows, const PackedMatrix& w,
+                                                         const float* bias, float* y, int p_begin, int p_end) {
+  PanelRangeT<V16, 8>(x, rows, w, bias, y, p_begin, p_end);
+}
+__attribute__((target("avx2,fma"))) void PanelRangeAvx2(const float* x, int rows, const PackedMatrix& w,
+                                                        const float* bias, float* y, int p_begin, int p_end) {
+  PanelRangeT<V8, 6>(x, rows, w, bias, y, p_begin, p_end);
+}
+void PanelRangeBase(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin,
+                    int p_end) {
+  PanelRangeT<V4, 2>(x, rows, w, bias, y, p_begin, p_end);
+}
+
+PanelFn Kernel(GemmIsa isa) {
+  switch (isa) {
+    case GemmIsa::kAvx512: return PanelRangeAvx512;
+    case GemmIsa::kAvx2: return PanelRangeAvx2;
+    case GemmIsa::kBase: break;
+  }
+  return PanelRangeBase;
+}
+
+void Run(PanelFn fn, const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
+         ThreadPool* pool) {
+  if (rows == 0) return;
+  if (pool == nullptr) {
+    fn(x, rows, w, bias, y, 0, w.panels());
+    return;
+  }
+  pool->ParallelFor(w.panels(), [&](int begin, int end) { fn(x, rows, w, bias, y, begin, end); });
 }
 
 }  // namespace
@@ -85,14 +128,35 @@ PackedMatrix::PackedMatrix(const float* w, int n, int k) : n_(n), k_(k) {
   }
 }
 
+std::vector<GemmIsa> SupportedGemmIsas() {
+  // Dispatch by hand, not target_clones: GCC's clone resolver runs before TSan's runtime is up.
+  __builtin_cpu_init();
+  std::vector<GemmIsa> isas;
+  if (__builtin_cpu_supports("avx512f")) isas.push_back(GemmIsa::kAvx512);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back(GemmIsa::kAvx2);
+  isas.push_back(GemmIsa::kBase);
+  return isas;
+}
+
+const char* GemmIsaName(GemmIsa isa) {
+  switch (isa) {
+    case GemmIsa::kAvx512: return "avx512";
+    case GemmIsa::kAvx2: return "avx2";
+    case GemmIsa::kBase: break;
+  }
+  return "base";
+}
+
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool) {
-  if (rows == 0) return;
-  if (pool == nullptr) {
-    PanelRange(x, rows, w, bias, y, 0, w.panels());
-    return;
-  }
-  pool->ParallelFor(w.panels(), [&](int begin, int end) { PanelRange(x, rows, w, bias, y, begin, end); });
+  // Chosen once per process, so every row of a run takes the same arithmetic.
+  static const PanelFn fn = Kernel(SupportedGemmIsas().front());
+  Run(fn, x, rows, w, bias, y, pool);
+}
+
+void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
+                  ThreadPool* pool, GemmIsa isa) {
+  Run(Kernel(isa), x, rows, w, bias, y, pool);
 }
 
 }  // namespace relgen::cpu

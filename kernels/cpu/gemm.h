@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "kernels/cpu/thread_pool.h"
 
@@ -33,8 +34,18 @@ class PackedMatrix {
   std::unique_ptr<float, Free> data_;
 };
 
+// The instruction sets the packed GEMM has a kernel for. The arithmetic of an output element is
+// the same chain of multiply-adds in each, but whether they are fused differs (AVX2 and AVX-512
+// fuse, the baseline does not): a process uses one, the best its CPU runs.
+enum class GemmIsa { kAvx512, kAvx2, kBase };
+std::vector<GemmIsa> SupportedGemmIsas();  // best first
+const char* GemmIsaName(GemmIsa isa);
+
 // y [rows, w.n()] = x [rows, w.k()] * W^T (+ bias [w.n()] when not null). `pool` may be null.
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool);
+// The same with a given kernel (tests; `isa` must be supported).
+void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
+                  ThreadPool* pool, GemmIsa isa);
 
 }  // namespace relgen::cpu
