@@ -30,6 +30,8 @@ def main():
     ap.add_argument("--max-relative-position", type=int, default=512, help="skew, skew_local")
     ap.add_argument("--block-length", type=int, default=128, help="skew_local")
     ap.add_argument("--clip", type=int, default=16, help="shaw")
+    ap.add_argument("--relative-values", action="store_true", help="shaw: relative value tables too")
+    ap.add_argument("--heads-share-table", action="store_true", help="one relative table for all heads")
     ap.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"])
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -40,6 +42,9 @@ def main():
         rel["block_length"] = a.block_length
     if a.scheme == "shaw":
         rel["clip"] = a.clip
+        rel["relative_values"] = a.relative_values
+    if a.heads_share_table:
+        rel["heads_share_table"] = True
     if a.scheme != "none":
         rel["scale_with_qk"] = a.scheme in ("skew", "skew_local", "shaw")
     cfg = {

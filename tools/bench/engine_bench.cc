@@ -1,5 +1,6 @@
 #include "tools/bench/engine_bench.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -81,7 +82,7 @@ double GemmFlops(cpu::ThreadPool& pool) {
 
 struct Result {
   bool ok = false;
-  double prefill_tps = 0, decode_tps = 0;
+  double prefill_tps = 0, batch_prefill_tps = 0, decode_tps = 0;
 };
 
 Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads) {
@@ -97,11 +98,17 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
   for (int32_t& t : prompt) t = rng() % 256;
   std::vector<float> logits;
   Result r;
-  for (int b = 0; b < batch; ++b) {  // every sequence prefilled; the first one timed
-    SequenceStep s{prompt, 0, tables[b], false};
-    const auto t = Clock::now();
+  {  // one sequence alone (after a warm-up, as the peer), then all of them in one call (which fills every cache)
+    SequenceStep s{prompt, 0, tables[0], false};
     if (!backend->Forward({&s, 1}, &logits).ok()) return r;
-    if (b == 0) r.prefill_tps = context / Since(t);
+    auto t = Clock::now();
+    if (!backend->Forward({&s, 1}, &logits).ok()) return r;
+    r.prefill_tps = context / Since(t);
+    std::vector<SequenceStep> all;
+    for (int b = 0; b < batch; ++b) all.push_back({prompt, 0, tables[b], false});
+    t = Clock::now();
+    if (!backend->Forward(all, &logits).ok()) return r;
+    r.batch_prefill_tps = double(batch) * context / Since(t);
   }
   std::vector<int32_t> tokens(batch, 65);
   auto step = [&](int pos) {
@@ -119,10 +126,19 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
   return r;
 }
 
-json RunTorch(const EngineBenchOptions& o, int batch, int context, int threads) {
-  const std::string cmd = "/usr/bin/python3 '" RELGEN_SOURCE_DIR "/tools/torch_bench.py' --model '" + o.model +
-                          "' --batch " + std::to_string(batch) + " --context " + std::to_string(context) +
-                          " --steps " + std::to_string(o.steps) + " --threads " + std::to_string(threads);
+std::string PeerCommand(const EngineBenchOptions& o, int batch, int context, int threads) {
+  const std::string shape = " --batch " + std::to_string(batch) + " --context " + std::to_string(context) +
+                            " --steps " + std::to_string(o.steps) + " --threads " + std::to_string(threads);
+  if (o.peer == "torch") {
+    const std::string py = o.peer_python.empty() ? "/usr/bin/python3" : o.peer_python;
+    return "'" + py + "' '" RELGEN_SOURCE_DIR "/tools/torch_bench.py' --model '" + o.model + "'" + shape;
+  }
+  const std::string py = o.peer_python.empty() ? RELGEN_SOURCE_DIR "/build-hf-venv/bin/python" : o.peer_python;
+  return "'" + py + "' '" RELGEN_SOURCE_DIR "/tools/bench/ct2_peer.py' bench --model '" + o.model + "'" + shape +
+         " --compute_type " + o.peer_compute_type;
+}
+
+json RunPeer(const std::string& cmd) {
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return nullptr;
   std::string out;
@@ -134,6 +150,29 @@ json RunTorch(const EngineBenchOptions& o, int batch, int context, int threads) 
   return j.is_discarded() ? json(nullptr) : j;
 }
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+// "median [min-max]" of a series; ratios are taken per repetition, then summarised.
+std::string Summary(const std::vector<double>& v, const char* fmt) {
+  if (v.empty()) return "-";
+  char b[96];
+  const std::string f = std::string(fmt) + " [" + fmt + "-" + fmt + "]";
+  std::snprintf(b, sizeof(b), f.c_str(), Median(v), *std::min_element(v.begin(), v.end()),
+                *std::max_element(v.begin(), v.end()));
+  return b;
+}
+
+json Series(const std::vector<double>& v) {
+  if (v.empty()) return nullptr;
+  return {{"median", Median(v)}, {"min", *std::min_element(v.begin(), v.end())},
+          {"max", *std::max_element(v.begin(), v.end())}, {"samples", v}};
+}
+
 }  // namespace
 
 int RunEngineBench(const EngineBenchOptions& o) {
@@ -142,11 +181,11 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::fprintf(stderr, "relgen-bench: %s\n", std::string(model.status().message()).c_str());
     return 1;
   }
-  const ModelConfig& c = (*model)->config();
+  const ModelConfig& cfg = (*model)->config();
   for (int context : o.contexts) {
-    if (context + o.steps + 1 > c.max_seq_len) {
+    if (context + o.steps + 1 > cfg.max_seq_len) {
       std::fprintf(stderr, "relgen-bench: context %d + %d steps exceeds the model's max_seq_len %d\n", context,
-                   o.steps + 1, c.max_seq_len);
+                   o.steps + 1, cfg.max_seq_len);
       return 2;
     }
   }
@@ -159,39 +198,82 @@ int RunEngineBench(const EngineBenchOptions& o) {
 
   // Work per decode token: every weight is read once per step (shared by the batch); each sequence
   // reads its own K/V; the dense FLOPs scale with the batch.
-  const int64_t dense_params = (*model)->num_parameters() - int64_t{c.vocab_size} * c.d_model * (c.tie_embeddings ? 0 : 1);
+  const int64_t dense_params = (*model)->num_parameters() - int64_t{cfg.vocab_size} * cfg.d_model * (cfg.tie_embeddings ? 0 : 1);
   const double weight_bytes = double((*model)->num_parameters()) * sizeof(float);
   std::printf("model %s: %s, d_model %d, %d layers, %d heads, ffn %d, %.1fM parameters (f32 %.0f MB)\n",
-              c.name.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(), c.d_model, c.n_layers, c.n_heads, c.ffn_dim,
+              cfg.name.c_str(), std::string(SchemeName(cfg.rel.scheme)).c_str(), cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_dim,
               (*model)->num_parameters() / 1e6, weight_bytes / 1e6);
-  std::printf("%5s %7s | %12s %12s %7s | %12s %12s %7s | %9s\n", "batch", "context", "relgen pre/s", "torch pre/s",
-              "ratio", "relgen dec/s", "torch dec/s", "ratio", "roofline");
-  json rows = json::array();
+  const bool peer = o.peer != "none";
+  const std::string peer_name = o.peer == "torch" ? "torch" : "ct2 " + o.peer_compute_type;
+  if (peer) std::printf("peer: %s\n", PeerCommand(o, 1, o.contexts[0], threads).c_str());
+  struct Cell {
+    int batch, context;
+    std::vector<double> pre, bpre, dec, peer_pre, peer_bpre, peer_dec, r_pre, r_bpre, r_dec;
+  };
+  std::vector<Cell> cells;
   for (int context : o.contexts) {
-    for (int batch : o.batches) {
-      const Result r = RunRelgen(*model, batch, context, o.steps, threads);
+    for (int batch : o.batches) cells.push_back({batch, context});
+  }
+  // Repetitions interleave relgen and the peer cell by cell, so drift in the machine's load hits both.
+  for (int rep = 0; rep < o.reps; ++rep) {
+    std::printf("repetition %d of %d\n", rep + 1, o.reps);
+    std::fflush(stdout);
+    for (Cell& c : cells) {
+      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads);
       if (!r.ok) {
-        std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", batch, context);
+        std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
       }
-      json t = o.torch ? RunTorch(o, batch, context, threads) : json(nullptr);
-      const double tp = t.is_object() ? t["prefill_tokens_per_s"].get<double>() : 0;
-      const double td = t.is_object() ? t["decode_tokens_per_s"].get<double>() : 0;
-      const double kv_bytes = double(batch) * context * c.n_layers * 2.0 * c.qkv_width() * sizeof(float);
-      const double step_flops = 2.0 * batch * dense_params + 4.0 * batch * context * c.n_layers * c.qkv_width();
-      const double roof_s = std::max((weight_bytes + kv_bytes) / read_bw, step_flops / flops);
-      const double fraction = roof_s / (batch / r.decode_tps);
-      std::printf("%5d %7d | %12.1f %12.1f %6.2fx | %12.1f %12.1f %6.2fx | %8.0f%%\n", batch, context, r.prefill_tps, tp,
-                  tp > 0 ? r.prefill_tps / tp : 0, r.decode_tps, td, td > 0 ? r.decode_tps / td : 0, 100 * fraction);
-      std::fflush(stdout);
-      rows.push_back({{"batch", batch}, {"context", context}, {"relgen_prefill_tps", r.prefill_tps},
-                      {"relgen_decode_tps", r.decode_tps}, {"torch_prefill_tps", tp}, {"torch_decode_tps", td},
-                      {"decode_roofline_fraction", fraction}, {"roofline_bound", (weight_bytes + kv_bytes) / read_bw >= step_flops / flops ? "memory" : "compute"}});
+      c.pre.push_back(r.prefill_tps);
+      c.bpre.push_back(r.batch_prefill_tps);
+      c.dec.push_back(r.decode_tps);
+      if (!peer) continue;
+      const json t = RunPeer(PeerCommand(o, c.batch, c.context, threads));
+      if (!t.is_object()) {
+        std::fprintf(stderr, "relgen-bench: the peer failed (batch %d, context %d): %s\n", c.batch, c.context,
+                     PeerCommand(o, c.batch, c.context, threads).c_str());
+        return 1;
+      }
+      const double tp = t["prefill_tokens_per_s"].get<double>(), td = t["decode_tokens_per_s"].get<double>();
+      const double tb = t.value("batch_prefill_tokens_per_s", 0.0);
+      c.peer_pre.push_back(tp);
+      c.peer_dec.push_back(td);
+      c.r_pre.push_back(r.prefill_tps / tp);
+      c.r_dec.push_back(r.decode_tps / td);
+      if (tb > 0) {
+        c.peer_bpre.push_back(tb);
+        c.r_bpre.push_back(r.batch_prefill_tps / tb);
+      }
     }
+  }
+  std::printf("\ntokens/s and relgen / %s, median [min-max] over %d interleaved repetitions\n", peer_name.c_str(),
+              o.reps);
+  std::printf("%5s %7s | %-34s | %-34s | %-34s | %9s\n", "batch", "context", "prefill 1 seq: relgen, ratio",
+              "prefill whole batch: relgen, ratio", "decode: relgen, ratio", "roofline");
+  json rows = json::array();
+  for (const Cell& c : cells) {
+    const double decode_tps = Median(c.dec);
+    const double kv_bytes = double(c.batch) * c.context * cfg.n_layers * 2.0 * cfg.qkv_width() * sizeof(float);
+    const double step_flops = 2.0 * c.batch * dense_params + 4.0 * c.batch * c.context * cfg.n_layers * cfg.qkv_width();
+    const double roof_s = std::max((weight_bytes + kv_bytes) / read_bw, step_flops / flops);
+    const double fraction = roof_s / (c.batch / decode_tps);
+    auto cell = [&](const std::vector<double>& mine, const std::vector<double>& ratio) {
+      return Summary(mine, "%.0f") + (ratio.empty() ? std::string() : ", " + Summary(ratio, "%.2fx"));
+    };
+    std::printf("%5d %7d | %-34s | %-34s | %-34s | %8.0f%%\n", c.batch, c.context, cell(c.pre, c.r_pre).c_str(),
+                cell(c.bpre, c.r_bpre).c_str(), cell(c.dec, c.r_dec).c_str(), 100 * fraction);
+    rows.push_back({{"batch", c.batch}, {"context", c.context}, {"relgen_prefill_tps", Series(c.pre)},
+                    {"relgen_batch_prefill_tps", Series(c.bpre)}, {"relgen_decode_tps", Series(c.dec)},
+                    {"peer_prefill_tps", Series(c.peer_pre)}, {"peer_batch_prefill_tps", Series(c.peer_bpre)},
+                    {"peer_decode_tps", Series(c.peer_dec)}, {"prefill_ratio", Series(c.r_pre)},
+                    {"batch_prefill_ratio", Series(c.r_bpre)}, {"decode_ratio", Series(c.r_dec)},
+                    {"decode_roofline_fraction", fraction},
+                    {"roofline_bound", (weight_bytes + kv_bytes) / read_bw >= step_flops / flops ? "memory" : "compute"}});
   }
   if (!o.json_out.empty()) {
     std::ofstream(o.json_out) << json({{"read_bandwidth_Bps", read_bw}, {"copy_bandwidth_Bps", copy_bw},
-                                       {"gemm_flops", flops}, {"threads", threads}, {"results", rows}}).dump(2);
+                                       {"gemm_flops", flops}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
+                                       {"repetitions", o.reps}, {"results", rows}}).dump(2);
   }
   std::printf("\nroofline: decode step time if bound only by reading weights + this batch's K/V at the read\n"
               "bandwidth, or by the dense FLOPs at the GEMM ceiling, whichever is larger; shown as a\n"

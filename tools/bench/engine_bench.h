@@ -1,6 +1,7 @@
-// relgen-bench engine: prefill and decode throughput of the CPU backend against the PyTorch
-// reference (tools/torch_bench.py) on the same weights, with the machine's ceilings and each
-// result as a fraction of its roofline.
+// relgen-bench engine: prefill and decode throughput of the CPU backend against a peer on the same
+// weights: CTranslate2 (tools/bench/ct2_peer.py) or the PyTorch reference (tools/torch_bench.py),
+// in interleaved repetitions, with the machine's ceilings and each result as a fraction of its
+// roofline.
 #pragma once
 
 #include <string>
@@ -14,7 +15,10 @@ struct EngineBenchOptions {
   std::vector<int> contexts = {512};
   int steps = 16;
   int threads = 0;  // 0: all hardware threads
-  bool torch = true;
+  std::string peer = "ct2";  // ct2, torch or none
+  std::string peer_python;   // empty: build-hf-venv's python for ct2, /usr/bin/python3 for torch
+  std::string peer_compute_type = "float32";  // ct2: float32, int8, int8_float32, bfloat16
+  int reps = 3;
   std::string json_out;
 };
 

@@ -1,7 +1,7 @@
 // relgen-bench: engine micro-benchmarks (and, later, the serving load generator).
 //   relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]
 //   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0] [--sequential 1]
-//   relgen-bench engine --model DIR ...   (relgen vs the PyTorch reference, with rooflines)
+//   relgen-bench engine --model DIR ...   (relgen vs CTranslate2 or the PyTorch reference, with rooflines)
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
 #include <cstdio>
 #include <string>
@@ -22,7 +22,8 @@ int Usage() {
                "       relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0]\n"
                "                             [--sequential 1]   (0: the concurrent run only)\n"
                "       relgen-bench engine --model DIR [--batches 1,16] [--contexts 512] [--steps 16] [--threads 0]\n"
-               "                           [--no_torch] [--json FILE]\n"
+               "                           [--reps 3] [--peer ct2|torch|none] [--peer_python PATH]\n"
+               "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
@@ -94,7 +95,12 @@ int main(int argc, char** argv) {
       else if (f == "--contexts") ok = Ints(v, &o.contexts);
       else if (f == "--steps") ok = absl::SimpleAtoi(v, &o.steps) && o.steps > 0;
       else if (f == "--threads") ok = absl::SimpleAtoi(v, &o.threads) && o.threads >= 0;
-      else if (f == "--no_torch") o.torch = false;
+      else if (f == "--no_torch") o.peer = "none";
+      else if (f == "--peer") ok = (o.peer = v) == "ct2" || v == "torch" || v == "none";
+      else if (f == "--peer_python") o.peer_python = v;
+      else if (f == "--peer_compute_type")
+        ok = (o.peer_compute_type = v) == "float32" || v == "int8" || v == "int8_float32" || v == "bfloat16";
+      else if (f == "--reps") ok = absl::SimpleAtoi(v, &o.reps) && o.reps > 0;
       else if (f == "--json") o.json_out = v;
       else ok = false;
       if (!ok) return Usage();
