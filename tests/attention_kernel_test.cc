@@ -22,13 +22,14 @@ struct KernelCase {
   bool values;
   bool share;
   bool scale_rel;
+  int hd = 8;  // 32 and 64 take the kernels' fixed-size paths
 };
 
 class AttentionKernelTest : public ::testing::TestWithParam<KernelCase> {};
 
 TEST_P(AttentionKernelTest, DecodeAndChunkedPrefillMatchDefinition) {
   const KernelCase p = GetParam();
-  const int H = 3, hd = 8, L = 45, W = H * hd, bs = 4;
+  const int H = 3, hd = p.hd, L = 45, W = H * hd, bs = 4;
   const int nblocks = (L + bs - 1) / bs;
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
@@ -131,22 +132,27 @@ TEST_P(AttentionKernelTest, DecodeAndChunkedPrefillMatchDefinition) {
       }
     }
   };
-  std::vector<float> decoded(L * W, NAN);
-  for (int i = 0; i < L; ++i) cpu::AttentionDecode(dims, rel, kv, q.data() + i * W, i, decoded.data() + i * W);
-  expect_rows(decoded, 0, L, "decode");
-  std::vector<float> out(L * W, NAN);
-  for (const std::vector<int>& chunks : {std::vector<int>{L}, std::vector<int>{3, 5, 1, 7, 2, 11, 16},
-                                         std::vector<int>{1, 20, 24}}) {
-    std::fill(out.begin(), out.end(), NAN);
-    int pos = 0;
-    for (int c : chunks) {
-      cpu::AttentionPrefill(dims, rel, kv, q.data() + pos * W, pos, c, out.data() + pos * W);
-      pos += c;
+  // Every code path this CPU runs (the best is what the engine uses).
+  for (cpu::AttentionIsa isa : cpu::SupportedAttentionIsas()) {
+    SCOPED_TRACE(cpu::AttentionIsaName(isa));
+    const cpu::AttentionKernels& kern = cpu::AttentionKernelsFor(isa);
+    std::vector<float> decoded(L * W, NAN);
+    for (int i = 0; i < L; ++i) kern.decode(dims, rel, kv, q.data() + i * W, i, decoded.data() + i * W, 0, H);
+    expect_rows(decoded, 0, L, "decode");
+    std::vector<float> out(L * W, NAN);
+    for (const std::vector<int>& chunks : {std::vector<int>{L}, std::vector<int>{3, 5, 1, 7, 2, 11, 16},
+                                           std::vector<int>{1, 20, 24}}) {
+      std::fill(out.begin(), out.end(), NAN);
+      int pos = 0;
+      for (int c : chunks) {
+        kern.prefill(dims, rel, kv, q.data() + pos * W, pos, c, out.data() + pos * W, 0, H);
+        pos += c;
+      }
+      ASSERT_EQ(pos, L);
+      expect_rows(out, 0, L, "prefill");
+      // Bitwise: a row does not depend on how the sequence was chunked.
+      for (int i = 0; i < L * W; ++i) ASSERT_EQ(out[i], decoded[i]) << "element " << i;
     }
-    ASSERT_EQ(pos, L);
-    expect_rows(out, 0, L, "prefill");
-    // Bitwise: a row does not depend on how the sequence was chunked.
-    for (int i = 0; i < L * W; ++i) ASSERT_EQ(out[i], decoded[i]) << "element " << i;
   }
 }
 
@@ -161,7 +167,10 @@ INSTANTIATE_TEST_SUITE_P(
                       KernelCase{relpos::Scheme::kShaw, 60, 0, true, false, true},
                       KernelCase{relpos::Scheme::kShaw, 4, 0, true, true, false},
                       KernelCase{relpos::Scheme::kT5, 0, 0, false, false, false},
-                      KernelCase{relpos::Scheme::kAlibi, 0, 0, false, false, false}));
+                      KernelCase{relpos::Scheme::kAlibi, 0, 0, false, false, false},
+                      KernelCase{relpos::Scheme::kSkew, 30, 0, false, false, true, 64},
+                      KernelCase{relpos::Scheme::kShaw, 5, 0, true, false, true, 32},
+                      KernelCase{relpos::Scheme::kT5, 0, 0, false, false, false, 64}));
 
 // T5's bidirectional bucket of relative position r = key - query, written from the definition
 // (logarithmic buckets past max_exact, one half of the buckets per direction) in double.
@@ -205,24 +214,26 @@ TEST(AttentionBidirectionalTest, MatchesDefinition) {
     rel.t5_table_len = static_cast<int>(table.size());
     rel.scale_with_qk = false;
     const cpu::AttentionDims dims{H, hd, 0.7f};
-    std::vector<float> out(L * W, NAN);
-    cpu::AttentionBidirectional(dims, rel, kv, q.data(), L, out.data());
-    for (int i = 0; i < L; ++i) {
-      for (int h = 0; h < H; ++h) {
-        std::vector<double> logit(L);
-        for (int j = 0; j < L; ++j) {
-          double dot = 0;
-          for (int d = 0; d < hd; ++d) dot += double{q[i * W + h * hd + d]} * k[j * W + h * hd + d];
-          logit[j] = 0.7 * dot + (with_bias ? bias[h * nb + T5BidirectionalBucket(j - i, nb, md)] : 0.0);
-        }
-        const double mx = *std::max_element(logit.begin(), logit.end());
-        double sum = 0;
-        for (double& x : logit) sum += (x = std::exp(x - mx));
-        for (int d = 0; d < hd; ++d) {
-          double want = 0;
-          for (int j = 0; j < L; ++j) want += logit[j] / sum * v[j * W + h * hd + d];
-          ASSERT_NEAR(out[i * W + h * hd + d], want, 1e-5 * (1 + std::abs(want)))
-              << (with_bias ? "t5" : "none") << " query " << i << " head " << h << " dim " << d;
+    for (cpu::AttentionIsa isa : cpu::SupportedAttentionIsas()) {
+      std::vector<float> out(L * W, NAN);
+      cpu::AttentionKernelsFor(isa).bidirectional(dims, rel, kv, q.data(), L, out.data(), 0, H);
+      for (int i = 0; i < L; ++i) {
+        for (int h = 0; h < H; ++h) {
+          std::vector<double> logit(L);
+          for (int j = 0; j < L; ++j) {
+            double dot = 0;
+            for (int d = 0; d < hd; ++d) dot += double{q[i * W + h * hd + d]} * k[j * W + h * hd + d];
+            logit[j] = 0.7 * dot + (with_bias ? bias[h * nb + T5BidirectionalBucket(j - i, nb, md)] : 0.0);
+          }
+          const double mx = *std::max_element(logit.begin(), logit.end());
+          double sum = 0;
+          for (double& x : logit) sum += (x = std::exp(x - mx));
+          for (int d = 0; d < hd; ++d) {
+            double want = 0;
+            for (int j = 0; j < L; ++j) want += logit[j] / sum * v[j * W + h * hd + d];
+            ASSERT_NEAR(out[i * W + h * hd + d], want, 1e-5 * (1 + std::abs(want)))
+                << cpu::AttentionIsaName(isa) << (with_bias ? " t5" : " none") << " query " << i << " head " << h << " dim " << d;
+          }
         }
       }
     }

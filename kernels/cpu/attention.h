@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/relpos.h"
 
@@ -88,5 +89,24 @@ void AttentionBidirectional(const AttentionDims& dims, const RelativeParams& rel
 // With scores == null only `scratch` is filled (the caller reads the skew view itself).
 void AddSkewedRelativeLogits(const float* q, int ldq, int lq, int lk, const float* e, int m, int hd,
                              float mult, float* scores, float* scratch);
+
+// The instruction sets attention has a code path for. A process uses one, the best its CPU runs
+// (the functions above): AVX2 fuses multiply-adds, the baseline does not, so the paths differ in
+// rounding; within one, every row takes the same arithmetic in every mode.
+enum class AttentionIsa { kAvx2, kBase };
+std::vector<AttentionIsa> SupportedAttentionIsas();  // best first
+const char* AttentionIsaName(AttentionIsa isa);
+// The functions above, of one instruction set (tests reach each path this way).
+struct AttentionKernels {
+  void (*prefill)(const AttentionDims&, const RelativeParams&, const KvView&, const float* q,
+                  int start, int n, float* out, int head_begin, int head_end);
+  void (*decode)(const AttentionDims&, const RelativeParams&, const KvView&, const float* q,
+                 int pos, float* out, int head_begin, int head_end);
+  void (*bidirectional)(const AttentionDims&, const RelativeParams&, const KvView&, const float* q,
+                        int n, float* out, int head_begin, int head_end);
+  void (*add_skewed)(const float* q, int ldq, int lq, int lk, const float* e, int m, int hd,
+                     float mult, float* scores, float* scratch);
+};
+const AttentionKernels& AttentionKernelsFor(AttentionIsa isa);  // `isa` must be supported
 
 }  // namespace relgen::cpu

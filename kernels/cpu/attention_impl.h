@@ -1,0 +1,359 @@
+// The attention kernels' bodies, compiled once per instruction set (attention_base.cc,
+// attention_avx2.cc) into namespace relgen::cpu::RELGEN_ATTENTION_ISA; attention.cc picks one per
+// process. Not a public header: include it only from those files, after defining the namespace.
+#ifndef RELGEN_ATTENTION_ISA
+#error "define RELGEN_ATTENTION_ISA before including attention_impl.h"
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/relpos.h"
+
+namespace relgen::cpu::RELGEN_ATTENTION_ISA {
+
+// Declared first so the tiles below call this instruction set's copy, not the dispatching one.
+void AddSkewedRelativeLogits(const float* q, int ldq, int lq, int lk, const float* e, int m, int hd,
+                             float mult, float* scores, float* scratch);
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query rows per prefill tile: bounds the scratch to O(tile * keys) per call.
+constexpr int kQueryTile = 128;
+
+// Every query row is computed by the same arithmetic whether it arrives in a prefill tile, a
+// chunk or a decode step, so a sequence's results do not depend on how it was chunked or what it
+// was batched with (the dense layers rely on GEMM rows being independent of the row count).
+
+#if RELGEN_ATTENTION_VECTOR8
+// Eight floats as one value (ymm registers in the AVX2 file). Lane l of every accumulator below
+// does exactly what the scalar loops of the baseline do for l.
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+
+__attribute__((always_inline)) inline V8 Load8(const float* p) {
+  return *reinterpret_cast<const V8*>(p);
+}
+
+__attribute__((always_inline)) inline float Reduce8(V8 c) {
+  return ((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7]));
+}
+
+// Dot product accumulated in 8 lanes, reduced in a fixed order.
+__attribute__((always_inline)) inline float Dot(const float* a, const float* b, int n) {
+  V8 acc = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) acc += Load8(a + i) * Load8(b + i);
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  return Reduce8(acc);
+}
+
+// Dot(a, b[x], n) for four vectors at once: each result is Dot's arithmetic exactly, but the four
+// independent chains keep the multiply-add units busy where one chain waits on its own latency.
+__attribute__((always_inline)) inline void Dot4(const float* a, const float* const b[4], int n,
+                                                float* out) {
+  V8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const V8 x = Load8(a + i);
+    acc0 += x * Load8(b[0] + i);
+    acc1 += x * Load8(b[1] + i);
+    acc2 += x * Load8(b[2] + i);
+    acc3 += x * Load8(b[3] + i);
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    acc0[l] += a[i] * b[0][i];
+    acc1[l] += a[i] * b[1][i];
+    acc2[l] += a[i] * b[2][i];
+    acc3[l] += a[i] * b[3][i];
+  }
+  out[0] = Reduce8(acc0);
+  out[1] = Reduce8(acc1);
+  out[2] = Reduce8(acc2);
+  out[3] = Reduce8(acc3);
+}
+
+// out[d] = sum over j in order of w[j] * V[ks + j][d] (from zero): one chain per element. For
+// the common head sizes the accumulators stay in registers.
+template <int HD>
+__attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int n, const KvView& kv,
+                                                            int head, int ks, float* out) {
+  V8 acc[HD / 8] = {};
+  for (int j = 0; j < n; ++j) {
+    const float* v = kv.ValueRow(head, ks + j);
+    const V8 wj = V8{} + w[j];
+    for (int c = 0; c < HD / 8; ++c) acc[c] += wj * Load8(v + 8 * c);
+  }
+  for (int c = 0; c < HD / 8; ++c) {
+    for (int l = 0; l < 8; ++l) out[8 * c + l] = acc[c][l];
+  }
+}
+
+inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
+                        float* out) {
+  if (hd == 64) return WeightedSumFixed<64>(w, n, kv, head, ks, out);
+  if (hd == 32) return WeightedSumFixed<32>(w, n, kv, head, ks, out);
+  std::fill(out, out + hd, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    const float wj = w[j];
+    const float* v = kv.ValueRow(head, ks + j);
+    for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
+  }
+}
+
+#else
+// Dot product accumulated in 8 lanes, reduced in a fixed order (the compiler vectorizes the lanes).
+inline float Dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+inline void Dot4(const float* a, const float* const b[4], int n, float* out) {
+  for (int x = 0; x < 4; ++x) out[x] = Dot(a, b[x], n);
+}
+
+inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
+                        float* out) {
+  std::fill(out, out + hd, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    const float wj = w[j];
+    const float* v = kv.ValueRow(head, ks + j);
+    for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
+  }
+}
+#endif
+
+// p[j] = scale * q.K[ks + j] for j < n.
+inline void Scores(const float* q, const KvView& kv, int head, int ks, int n, float scale, int hd,
+                   float* p) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* keys[4] = {kv.KeyRow(head, ks + j), kv.KeyRow(head, ks + j + 1),
+                            kv.KeyRow(head, ks + j + 2), kv.KeyRow(head, ks + j + 3)};
+    float d4[4];
+    Dot4(q, keys, hd, d4);
+    for (int x = 0; x < 4; ++x) p[j + x] = scale * d4[x];
+  }
+  for (; j < n; ++j) p[j] = scale * Dot(q, kv.KeyRow(head, ks + j), hd);
+}
+
+struct Scratch {
+  std::vector<float> rel, row, weights;
+};
+
+Scratch& ThreadScratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+float* Sized(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+const float* TableForHead(const float* table, bool share, int head, int64_t per_head) {
+  return table + (share ? 0 : head * per_head);
+}
+
+// One query row of one head: query at position `pos` attends to keys ks..pos. `rel_by_key[j]` is
+// the relative term for key ks+j (null: none); `shaw_products` [k+1] are q.R^K rows for Shaw.
+void AttendRow(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv, int head,
+               const float* q, int pos, int ks, const float* rel_by_key, const float* shaw_products,
+               float* out) {
+  const int hd = dims.head_dim;
+  const int lk = pos - ks + 1;
+  const float rel_mult = rel.scale_with_qk ? dims.scale : 1.0f;
+  Scratch& s = ThreadScratch();
+  float* p = Sized(s.row, lk);
+  Scores(q, kv, head, ks, lk, dims.scale, hd, p);
+  switch (rel.scheme) {
+    case relpos::Scheme::kNone:
+      break;
+    case relpos::Scheme::kSkew:
+    case relpos::Scheme::kSkewLocal:
+      for (int j = 0; j < lk; ++j) p[j] += rel_mult * rel_by_key[j];
+      break;
+    case relpos::Scheme::kShaw:
+      for (int j = 0; j < lk; ++j)
+        p[j] += rel_mult * shaw_products[relpos::ShawRow(pos, ks + j, rel.clip_k)];
+      break;
+    case relpos::Scheme::kT5: {
+      const float* bias = rel.t5_bias + (rel.heads_share ? 0 : head * rel.t5_num_buckets);
+      for (int j = 0; j < lk; ++j) {
+        p[j] += rel_mult * bias[relpos::T5BucketOfDistance(rel.t5_bucket_of_distance,
+                                                           rel.t5_table_len, pos - (ks + j))];
+      }
+      break;
+    }
+    case relpos::Scheme::kAlibi:
+      for (int j = 0; j < lk; ++j)
+        p[j] += rel_mult * relpos::AlibiBias(rel.alibi_slopes[head], pos - (ks + j));
+      break;
+  }
+  SoftmaxRows(p, 1, lk, lk);
+  WeightedSum(p, lk, kv, head, ks, hd, out);
+  if (rel.scheme == relpos::Scheme::kShaw && rel.table_v != nullptr) {
+    // sum_j w_j R^V[row(j)] = sum over rows of (weights summed per row) * R^V[row].
+    const int k = rel.clip_k;
+    float* w = Sized(s.weights, k + 1);
+    std::fill(w, w + k + 1, 0.0f);
+    for (int j = 0; j < lk; ++j) w[relpos::ShawRow(pos, ks + j, k)] += p[j];
+    const float* rv = TableForHead(rel.table_v, rel.heads_share, head, int64_t{rel.rows} * hd);
+    for (int r = 0; r <= k; ++r) {
+      const float* rr = rv + static_cast<int64_t>(r) * hd;
+      for (int d = 0; d < hd; ++d) out[d] += w[r] * rr[d];
+    }
+  }
+}
+
+// q.R^K for the causal Shaw rows 0..k (relative positions -k..0).
+void ShawProducts(const RelativeParams& rel, int head, int hd, const float* q, float* out) {
+  const float* r = TableForHead(rel.table_k, rel.heads_share, head, int64_t{rel.rows} * hd);
+  for (int row = 0; row <= rel.clip_k; ++row)
+    out[row] = Dot(q, r + static_cast<int64_t>(row) * hd, hd);
+}
+
+// One head, queries at absolute positions qs..qe-1 (rows of `q` with stride ldq), keys ks..qe-1.
+void AttendTile(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv, int head,
+                const float* q, int ldq, int qs, int qe, int ks, float* out, int ldo) {
+  const int hd = dims.head_dim;
+  const int lq = qe - qs;
+  const int lk = qe - ks;
+  const bool skew = rel.scheme == relpos::Scheme::kSkew || rel.scheme == relpos::Scheme::kSkewLocal;
+  Scratch& s = ThreadScratch();
+  float* buf = nullptr;
+  if (skew) {
+    // Relative logits of the whole tile from one Q E^T product and the skew view; row i of the
+    // view is then the relative term of each key, in key order.
+    buf = Sized(s.rel, static_cast<int64_t>(lq) * (lk + 1));
+    std::fill(buf, buf + static_cast<int64_t>(lq) * (lk + 1), 0.0f);
+    const float* e = TableForHead(rel.table_k, rel.heads_share, head, int64_t{rel.rows} * hd);
+    AddSkewedRelativeLogits(q, ldq, lq, lk, e, rel.rows, hd, 1.0f, nullptr, buf);
+  } else if (rel.scheme == relpos::Scheme::kShaw) {
+    buf = Sized(s.rel, static_cast<int64_t>(lq) * (rel.clip_k + 1));
+    for (int i = 0; i < lq; ++i) {
+      ShawProducts(rel, head, hd, q + static_cast<int64_t>(i) * ldq,
+                   buf + static_cast<int64_t>(i) * (rel.clip_k + 1));
+    }
+  }
+  for (int i = 0; i < lq; ++i) {
+    const float* rel_by_key = skew ? buf + lq + static_cast<int64_t>(i) * lk : nullptr;
+    const float* shaw = rel.scheme == relpos::Scheme::kShaw
+                            ? buf + static_cast<int64_t>(i) * (rel.clip_k + 1)
+                            : nullptr;
+    AttendRow(dims, rel, kv, head, q + static_cast<int64_t>(i) * ldq, qs + i, ks, rel_by_key, shaw,
+              out + static_cast<int64_t>(i) * ldo);
+  }
+}
+
+}  // namespace
+
+void AddSkewedRelativeLogits(const float* q, int ldq, int lq, int lk, const float* e, int m, int hd,
+                             float mult, float* scores, float* scratch) {
+  // Column c of the padded buffer (after the pad column) is distance lk-1-c; only the last
+  // min(m, lk) columns have a table row (E row m-lk+c), the rest stay zero.
+  float* qe = scratch;
+  std::fill(qe, qe + static_cast<int64_t>(lq) * (lk + 1), 0.0f);
+  const int c0 = std::max(0, lk - m);
+  for (int i = 0; i < lq; ++i) {
+    const float* qi = q + static_cast<int64_t>(i) * ldq;
+    float* row = qe + static_cast<int64_t>(i) * (lk + 1) + 1;
+    for (int c = c0; c < lk; ++c) row[c] = Dot(qi, e + static_cast<int64_t>(m - lk + c) * hd, hd);
+  }
+  if (scores == nullptr) return;  // the caller reads the skew view of `scratch` itself
+  for (int i = 0; i < lq; ++i) {
+    float* row = scores + static_cast<int64_t>(i) * lk;
+    const float* skewed = qe + lq + static_cast<int64_t>(i) * lk;
+    const int jmax = i + lk - lq;
+    for (int j = 0; j <= jmax; ++j) row[j] += mult * skewed[j];
+  }
+}
+
+void AttentionPrefill(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
+                      const float* q, int start, int n, float* out, int head_begin, int head_end) {
+  if (head_end < 0) head_end = dims.n_heads;
+  const int width = dims.n_heads * dims.head_dim;
+  const bool local = rel.scheme == relpos::Scheme::kSkewLocal;
+  for (int qs = start; qs < start + n;) {
+    // A tile never crosses a local block boundary, so all its queries share one window start.
+    int qe = std::min(start + n, qs + kQueryTile);
+    if (local) qe = std::min(qe, (qs / rel.block_length + 1) * rel.block_length);
+    const int ks = relpos::WindowStart(rel.scheme, qs, rel.block_length);
+    const int64_t row = static_cast<int64_t>(qs - start) * width;
+    for (int h = head_begin; h < head_end; ++h) {
+      AttendTile(dims, rel, kv, h, q + row + h * dims.head_dim, width, qs, qe, ks,
+                 out + row + h * dims.head_dim, width);
+    }
+    qs = qe;
+  }
+}
+
+void AttentionDecode(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
+                     const float* q, int pos, float* out, int head_begin, int head_end) {
+  if (head_end < 0) head_end = dims.n_heads;
+  const int hd = dims.head_dim;
+  const int ks = relpos::WindowStart(rel.scheme, pos, rel.block_length);
+  const int lk = pos - ks + 1;
+  Scratch& s = ThreadScratch();
+  for (int h = head_begin; h < head_end; ++h) {
+    const float* qh = q + h * hd;
+    const float* rel_by_key = nullptr;
+    const float* shaw = nullptr;
+    if (rel.scheme == relpos::Scheme::kSkew || rel.scheme == relpos::Scheme::kSkewLocal) {
+      // The skew for one query is a slice of q.E^T: one product per needed distance (M at most,
+      // not the context length), then a gather into key order.
+      const int m = rel.rows;
+      const int nd = std::min(m, lk);
+      const float* e = TableForHead(rel.table_k, rel.heads_share, h, int64_t{m} * hd);
+      float* buf = Sized(s.rel, nd + lk);
+      for (int d = 0; d < nd; ++d)
+        buf[d] = Dot(qh, e + static_cast<int64_t>(relpos::SkewRow(d, m)) * hd, hd);
+      float* by_key = buf + nd;
+      for (int j = 0; j < lk; ++j) {
+        const int d = pos - (ks + j);
+        by_key[j] = d < nd ? buf[d] : 0.0f;
+      }
+      rel_by_key = by_key;
+    } else if (rel.scheme == relpos::Scheme::kShaw) {
+      float* buf = Sized(s.rel, rel.clip_k + 1);
+      ShawProducts(rel, h, hd, qh, buf);
+      shaw = buf;
+    }
+    AttendRow(dims, rel, kv, h, qh, pos, ks, rel_by_key, shaw, out + h * hd);
+  }
+}
+
+void AttentionBidirectional(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv,
+                            const float* q, int n, float* out, int head_begin, int head_end) {
+  if (head_end < 0) head_end = dims.n_heads;
+  const int hd = dims.head_dim, width = dims.n_heads * hd;
+  const float rel_mult = rel.scale_with_qk ? dims.scale : 1.0f;
+  const int half = rel.t5_table_len / 2;
+  float* p = Sized(ThreadScratch().row, n);
+  for (int i = 0; i < n; ++i) {
+    for (int h = head_begin; h < head_end; ++h) {
+      const float* qh = q + int64_t{i} * width + h * hd;
+      Scores(qh, kv, h, 0, n, dims.scale, hd, p);
+      if (rel.scheme == relpos::Scheme::kT5) {
+        const float* bias = rel.t5_bias + (rel.heads_share ? 0 : h * rel.t5_num_buckets);
+        for (int j = 0; j < n; ++j) {
+          p[j] += rel_mult * bias[rel.t5_bucket_of_distance[std::clamp(j - i, -half, half) + half]];
+        }
+      }
+      SoftmaxRows(p, 1, n, n);
+      float* o = out + int64_t{i} * width + h * hd;
+      WeightedSum(p, n, kv, h, 0, hd, o);
+    }
+  }
+}
+
+}  // namespace relgen::cpu::RELGEN_ATTENTION_ISA
