@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cpu/vmath.h"
+
 namespace relgen::cpu {
 
 void Linear(const float* x, int rows, int in, const float* w, const float* bias, int out, float* y) {
@@ -49,18 +51,21 @@ void RmsNorm(const float* x, int rows, int dim, const float* weight, float eps, 
 
 namespace {
 
-inline float Apply(Activation act, float v) {
+// The activations on four lanes (kernels/cpu/vmath.h); every element of an array goes through
+// these, so an element's result does not depend on its index.
+vmath::V4 Apply(Activation act, vmath::V4 v) {
+  using vmath::Splat;
   switch (act) {
     case Activation::kRelu:
-      return v > 0.0f ? v : 0.0f;
+      return vmath::Select(v > Splat(0.0f), v, Splat(0.0f));
     case Activation::kGelu:
-      return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+      return Splat(0.5f) * v * (Splat(1.0f) + vmath::Erf(v * Splat(0.70710678118654752f)));
     case Activation::kGeluTanh: {
-      const float c = 0.79788456080286536f;  // sqrt(2/pi)
-      return 0.5f * v * (1.0f + std::tanh(c * (v + 0.044715f * v * v * v)));
+      const vmath::V4 c = Splat(0.79788456080286536f);  // sqrt(2/pi)
+      return Splat(0.5f) * v * (Splat(1.0f) + vmath::Tanh(c * (v + Splat(0.044715f) * v * v * v)));
     }
     case Activation::kSilu:
-      return v / (1.0f + std::exp(-v));
+      return v / (Splat(1.0f) + vmath::Exp(-v));
   }
   return v;
 }
@@ -68,11 +73,12 @@ inline float Apply(Activation act, float v) {
 }  // namespace
 
 void Activate(Activation act, float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = Apply(act, x[i]);
+  vmath::Map(x, n, [act](vmath::V4 v) { return Apply(act, v); });
 }
 
 void ActivateGated(Activation act, float* x, const float* gate, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = Apply(act, x[i]) * gate[i];
+  Activate(act, x, n);
+  for (int64_t i = 0; i < n; ++i) x[i] *= gate[i];
 }
 
 void Embedding(const float* table, int dim, const int32_t* ids, int n, float scale, float* out) {
@@ -97,12 +103,10 @@ void SoftmaxRows(float* x, int rows, int cols, int ld) {
       std::fill(row, row + cols, 0.0f);
       continue;
     }
+    // exp(-inf) is 0 here (masked keys); the sum runs in column order.
+    vmath::Map(row, cols, [mx](vmath::V4 v) { return vmath::Exp(v - vmath::Splat(mx)); });
     float sum = 0.0f;
-    for (int c = 0; c < cols; ++c) {
-      const float e = row[c] == kNegInf ? 0.0f : std::exp(row[c] - mx);
-      row[c] = e;
-      sum += e;
-    }
+    for (int c = 0; c < cols; ++c) sum += row[c];
     const float inv = 1.0f / sum;
     for (int c = 0; c < cols; ++c) row[c] *= inv;
   }
