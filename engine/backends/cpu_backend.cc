@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -110,13 +111,32 @@ class CpuBackend final : public Backend {
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
 
  private:
-  void Norm(const float* x, int rows, const float* w, const float* b, float* y) const {
-    const ModelConfig& c = model_->config();
-    if (c.norm == NormKind::kLayerNorm) {
-      cpu::LayerNorm(x, rows, c.d_model, w, b, c.norm_eps, y);
-    } else {
-      cpu::RmsNorm(x, rows, c.d_model, w, c.norm_eps, y);
+  // fn(begin, end) over row ranges, on the pool when there is enough work to pay for the hand-off.
+  // Row-wise and element-wise kernels give the same bits however the rows are split.
+  void Rows(int rows, int64_t row_elems, const std::function<void(int, int)>& fn) {
+    if (int64_t{rows} * row_elems < (int64_t{1} << 16)) {
+      fn(0, rows);
+      return;
     }
+    pool_.ParallelFor(rows, fn);
+  }
+  void Norm(const float* x, int rows, const float* w, const float* b, float* y) {
+    const ModelConfig& c = model_->config();
+    const int d = c.d_model;
+    Rows(rows, d, [&](int r0, int r1) {
+      const int64_t o = int64_t{r0} * d;
+      if (c.norm == NormKind::kLayerNorm) {
+        cpu::LayerNorm(x + o, r1 - r0, d, w, b, c.norm_eps, y + o);
+      } else {
+        cpu::RmsNorm(x + o, r1 - r0, d, w, c.norm_eps, y + o);
+      }
+    });
+  }
+  void Add(float* y, const float* x, int rows, int width) {
+    Rows(rows, width, [&](int r0, int r1) {
+      const int64_t o = int64_t{r0} * width;
+      cpu::AddInPlace(y + o, x + o, int64_t{r1 - r0} * width);
+    });
   }
 
   struct PackedLayer {
@@ -176,7 +196,6 @@ CpuBackend::Buffers CpuBackend::Size(int total) {
 
 void CpuBackend::FeedForward(const LayerWeights& lw, const PackedLayer& pl, int total, const Buffers& b) {
   const ModelConfig& c = model_->config();
-  const int64_t n = int64_t{total} * c.ffn_dim;
   const bool pre = c.norm_placement == NormPlacement::kPre;
   const float* in = b.x;
   if (pre) {
@@ -185,15 +204,19 @@ void CpuBackend::FeedForward(const LayerWeights& lw, const PackedLayer& pl, int 
   }
   Linear(in, total, pl.up, lw.b_up, b.up);
   const float* act = b.up;
+  const int f = c.ffn_dim;
   if (c.ffn_gated) {
     Linear(in, total, pl.gate, lw.b_gate, b.gate);
-    cpu::ActivateGated(c.ffn_activation, b.gate, b.up, n);
+    Rows(total, f, [&](int r0, int r1) {
+      const int64_t o = int64_t{r0} * f;
+      cpu::ActivateGated(c.ffn_activation, b.gate + o, b.up + o, int64_t{r1 - r0} * f);
+    });
     act = b.gate;
   } else {
-    cpu::Activate(c.ffn_activation, b.up, n);
+    Rows(total, f, [&](int r0, int r1) { cpu::Activate(c.ffn_activation, b.up + int64_t{r0} * f, int64_t{r1 - r0} * f); });
   }
   Linear(act, total, pl.down, lw.b_down, b.tmp);
-  cpu::AddInPlace(b.x, b.tmp, int64_t{total} * c.d_model);
+  Add(b.x, b.tmp, total, c.d_model);
   if (!pre) Norm(b.x, total, lw.ffn_norm_w, lw.ffn_norm_b, b.x);
 }
 
@@ -252,7 +275,7 @@ void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
       }
     });
     Linear(b.att, total, pl.o, lw.bo, b.tmp);
-    cpu::AddInPlace(b.x, b.tmp, int64_t{total} * d);
+    Add(b.x, b.tmp, total, d);
     FeedForward(lw, pl, total, b);
   }
   Norm(b.x, total, model_->encoder_final_norm_w(), model_->encoder_final_norm_b(), b.h);
@@ -327,7 +350,7 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
       }
     });
     Linear(b.att, total, packed_[l].o, lw.bo, b.tmp);
-    cpu::AddInPlace(x, b.tmp, int64_t{total} * d);
+    Add(x, b.tmp, total, d);
     if (!pre) Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, x);
 
     if (c.encoder_decoder) {
@@ -346,7 +369,7 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
         }
       });
       Linear(b.att, total, packed_[l].co, lw.co_b, b.tmp);
-      cpu::AddInPlace(x, b.tmp, int64_t{total} * d);
+      Add(x, b.tmp, total, d);
     }
     FeedForward(lw, packed_[l], total, b);
   }
