@@ -7,6 +7,8 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/relpos.h"
