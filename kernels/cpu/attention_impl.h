@@ -30,6 +30,31 @@ constexpr int kQueryTile = 128;
 // chunk or a decode step, so a sequence's results do not depend on how it was chunked or what it
 // was batched with (the dense layers rely on GEMM rows being independent of the row count).
 
+// The K or V rows of one head at positions pos, pos+1, ...: one block-table lookup (and one
+// division) per block instead of per row; a head's rows are contiguous inside a block.
+class RowCursor {
+ public:
+  RowCursor(const KvView& kv, const float* pool, int head, int pos) : kv_(kv), pool_(pool), head_(head), pos_(pos) {}
+  const float* Next() {
+    if (left_ == 0) {
+      row_ = pool_ + kv_.RowOffset(head_, pos_);
+      left_ = kv_.block_size - pos_ % kv_.block_size;
+    }
+    const float* r = row_;
+    row_ += kv_.head_dim;
+    --left_;
+    ++pos_;
+    return r;
+  }
+
+ private:
+  const KvView& kv_;
+  const float* pool_;
+  int head_, pos_;
+  int left_ = 0;
+  const float* row_ = nullptr;
+};
+
 #if RELGEN_ATTENTION_VECTOR8
 // Eight floats as one value (ymm registers in the AVX2 file). Lane l of every accumulator below
 // does exactly what the scalar loops of the baseline do for l.
@@ -89,8 +114,9 @@ template <int HD>
 __attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int n, const KvView& kv,
                                                             int head, int ks, float* out) {
   V8 acc[HD / 8] = {};
+  RowCursor rows(kv, kv.v, head, ks);
   for (int j = 0; j < n; ++j) {
-    const float* v = kv.ValueRow(head, ks + j);
+    const float* v = rows.Next();
     const V8 wj = V8{} + w[j];
     for (int c = 0; c < HD / 8; ++c) acc[c] += wj * Load8(v + 8 * c);
   }
@@ -104,9 +130,10 @@ inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int k
   if (hd == 64) return WeightedSumFixed<64>(w, n, kv, head, ks, out);
   if (hd == 32) return WeightedSumFixed<32>(w, n, kv, head, ks, out);
   std::fill(out, out + hd, 0.0f);
+  RowCursor rows(kv, kv.v, head, ks);
   for (int j = 0; j < n; ++j) {
     const float wj = w[j];
-    const float* v = kv.ValueRow(head, ks + j);
+    const float* v = rows.Next();
     for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
   }
 }
@@ -130,9 +157,10 @@ inline void Dot4(const float* a, const float* const b[4], int n, float* out) {
 inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
                         float* out) {
   std::fill(out, out + hd, 0.0f);
+  RowCursor rows(kv, kv.v, head, ks);
   for (int j = 0; j < n; ++j) {
     const float wj = w[j];
-    const float* v = kv.ValueRow(head, ks + j);
+    const float* v = rows.Next();
     for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
   }
 }
@@ -141,15 +169,16 @@ inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int k
 // p[j] = scale * q.K[ks + j] for j < n.
 inline void Scores(const float* q, const KvView& kv, int head, int ks, int n, float scale, int hd,
                    float* p) {
+  RowCursor rows(kv, kv.k, head, ks);
   int j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* keys[4] = {kv.KeyRow(head, ks + j), kv.KeyRow(head, ks + j + 1),
-                            kv.KeyRow(head, ks + j + 2), kv.KeyRow(head, ks + j + 3)};
+    const float* keys[4];
+    for (const float*& k : keys) k = rows.Next();
     float d4[4];
     Dot4(q, keys, hd, d4);
     for (int x = 0; x < 4; ++x) p[j + x] = scale * d4[x];
   }
-  for (; j < n; ++j) p[j] = scale * Dot(q, kv.KeyRow(head, ks + j), hd);
+  for (; j < n; ++j) p[j] = scale * Dot(q, rows.Next(), hd);
 }
 
 struct Scratch {

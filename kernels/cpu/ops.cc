@@ -97,18 +97,33 @@ void SoftmaxRows(float* x, int rows, int cols, int ld) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int r = 0; r < rows; ++r) {
     float* row = x + static_cast<int64_t>(r) * ld;
-    float mx = kNegInf;
-    for (int c = 0; c < cols; ++c) mx = std::max(mx, row[c]);
+    // The maximum in four lanes (exact in any order), the sum in four lanes reduced in a fixed
+    // order: a row's result depends on its values alone.
+    vmath::V4 m4 = vmath::Splat(kNegInf);
+    int c = 0;
+    for (; c + 4 <= cols; c += 4) {
+      vmath::V4 v;
+      __builtin_memcpy(&v, row + c, sizeof(v));
+      m4 = vmath::Select(v > m4, v, m4);
+    }
+    float mx = std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
+    for (; c < cols; ++c) mx = std::max(mx, row[c]);
     if (mx == kNegInf) {  // nothing visible: all-zero weights rather than NaN
       std::fill(row, row + cols, 0.0f);
       continue;
     }
-    // exp(-inf) is 0 here (masked keys); the sum runs in column order.
+    // exp(-inf) is 0 here (masked keys).
     vmath::Map(row, cols, [mx](vmath::V4 v) { return vmath::Exp(v - vmath::Splat(mx)); });
-    float sum = 0.0f;
-    for (int c = 0; c < cols; ++c) sum += row[c];
+    vmath::V4 s4 = vmath::Splat(0.0f);
+    for (c = 0; c + 4 <= cols; c += 4) {
+      vmath::V4 v;
+      __builtin_memcpy(&v, row + c, sizeof(v));
+      s4 += v;
+    }
+    for (int l = 0; c < cols; ++c, ++l) s4[l] += row[c];
+    const float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
     const float inv = 1.0f / sum;
-    for (int c = 0; c < cols; ++c) row[c] *= inv;
+    for (c = 0; c < cols; ++c) row[c] *= inv;
   }
 }
 
