@@ -55,6 +55,17 @@ class RowCursor {
   const float* row_ = nullptr;
 };
 
+// out[d] = sum over j in order of w[j] * V[ks + j][d] (from zero): one chain per element.
+inline void WeightedSumAnySize(const float* w, int n, const KvView& kv, int head, int ks, int hd, float* out) {
+  std::fill(out, out + hd, 0.0f);
+  RowCursor rows(kv, kv.v, head, ks);
+  for (int j = 0; j < n; ++j) {
+    const float wj = w[j];
+    const float* v = rows.Next();
+    for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
+  }
+}
+
 #if RELGEN_ATTENTION_VECTOR8
 // Eight floats as one value (ymm registers in the AVX2 file). Lane l of every accumulator below
 // does exactly what the scalar loops of the baseline do for l.
@@ -108,8 +119,7 @@ __attribute__((always_inline)) inline void Dot4(const float* a, const float* con
   _mm_storeu_ps(out, _mm_hadd_ps(h01, h23));
 }
 
-// out[d] = sum over j in order of w[j] * V[ks + j][d] (from zero): one chain per element. For
-// the common head sizes the accumulators stay in registers.
+// WeightedSumAnySize with the accumulators in registers, for the common head sizes.
 template <int HD>
 __attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int n, const KvView& kv,
                                                             int head, int ks, float* out) {
@@ -129,13 +139,7 @@ inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int k
                         float* out) {
   if (hd == 64) return WeightedSumFixed<64>(w, n, kv, head, ks, out);
   if (hd == 32) return WeightedSumFixed<32>(w, n, kv, head, ks, out);
-  std::fill(out, out + hd, 0.0f);
-  RowCursor rows(kv, kv.v, head, ks);
-  for (int j = 0; j < n; ++j) {
-    const float wj = w[j];
-    const float* v = rows.Next();
-    for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
-  }
+  WeightedSumAnySize(w, n, kv, head, ks, hd, out);
 }
 
 #else
@@ -156,13 +160,7 @@ inline void Dot4(const float* a, const float* const b[4], int n, float* out) {
 
 inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
                         float* out) {
-  std::fill(out, out + hd, 0.0f);
-  RowCursor rows(kv, kv.v, head, ks);
-  for (int j = 0; j < n; ++j) {
-    const float wj = w[j];
-    const float* v = rows.Next();
-    for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
-  }
+  WeightedSumAnySize(w, n, kv, head, ks, hd, out);
 }
 #endif
 
