@@ -12,6 +12,7 @@ struct Options {
   std::string metrics_listen = "0.0.0.0:9400";
   std::string device = "auto";
   int threads = 0;                       // 0: every hardware thread
+  std::string weights_dtype = "f32";     // dense weights on the CPU: f32, bf16, int8
   int max_num_seqs = 64;
   int max_batch_tokens = 512;
   int max_waiting = 1024;

@@ -23,6 +23,105 @@ std::vector<float> Random(size_t n, uint32_t seed) {
   return v;
 }
 
+// What a stored weight means, written apart from the kernel: bf16 is float32 rounded to nearest
+// even in its top 16 bits; int8 is round(w / s) with s = max |row| / 127, meaning q * s.
+std::vector<double> Dequantized(const std::vector<float>& w, int out, int in, cpu::WeightType t, std::vector<double>* scale) {
+  std::vector<double> d(w.size());
+  scale->assign(out, 1.0);
+  for (int o = 0; o < out; ++o) {
+    double amax = 0;
+    for (int i = 0; i < in; ++i) amax = std::max(amax, std::fabs(double(w[size_t(o) * in + i])));
+    const double s = float(float(amax) / 127.0f);
+    for (int i = 0; i < in; ++i) {
+      const float x = w[size_t(o) * in + i];
+      if (t == cpu::WeightType::kF32) {
+        d[size_t(o) * in + i] = x;
+      } else if (t == cpu::WeightType::kBf16) {
+        // bf16 keeps 8 significant bits: the spacing at x is 2^(exponent - 7); ties to even.
+        const double step = x == 0 ? 1.0 : std::ldexp(1.0, std::ilogb(x) - 7);
+        d[size_t(o) * in + i] = std::nearbyint(x / step) * step;
+      } else {
+        (*scale)[o] = s;
+        d[size_t(o) * in + i] = std::nearbyint(x / float(s));  // the quotient rounded to float first
+      }
+    }
+  }
+  return d;
+}
+
+// Each storage type: a row's bits do not depend on the row count, and rows match a float64
+// product with the weights as stored (the sum of x * q, times the scale, plus the bias).
+TEST(LinearTest, LowPrecisionWeightsAreRowInvariantAndMatchTheirDefinition) {
+  cpu::ThreadPool pool(2);
+  for (cpu::WeightType t : {cpu::WeightType::kBf16, cpu::WeightType::kInt8}) {
+    for (cpu::GemmIsa isa : cpu::SupportedGemmIsas()) {
+      SCOPED_TRACE(std::string(cpu::WeightTypeName(t)) + " " + cpu::GemmIsaName(isa));
+      for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{512, 2048}}) {
+        const std::vector<float> w = Random(size_t(in) * out, 1), b = Random(out, 2);
+        std::vector<double> scale;
+        const std::vector<double> dq = Dequantized(w, out, in, t, &scale);
+        const cpu::PackedMatrix packed(w.data(), out, in, t);
+        EXPECT_EQ(packed.bytes(), int64_t((out + 15) / 16) * 16 * in * cpu::WeightTypeBytes(t) +
+                                      (t == cpu::WeightType::kInt8 ? (out + 15) / 16 * 16 * 4 : 0));
+        for (int rows : {1, 2, 3, 7, 16, 130}) {
+          const std::vector<float> x = Random(size_t(rows) * in, rows);
+          std::vector<float> all(size_t(rows) * out), one(out);
+          cpu::LinearPacked(x.data(), rows, packed, b.data(), all.data(), &pool, isa);
+          for (int r = 0; r < rows; ++r) {
+            cpu::LinearPacked(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr, isa);
+            ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0)
+                << "row " << r << " of " << rows << " (" << in << " -> " << out << ")";
+            for (int o = 0; o < out; ++o) {
+              double acc = 0, mag = 0;
+              for (int i = 0; i < in; ++i) {
+                acc += double(x[size_t(r) * in + i]) * dq[size_t(o) * in + i];
+                mag += std::fabs(double(x[size_t(r) * in + i]) * dq[size_t(o) * in + i]);
+              }
+              const double want = acc * scale[o] + b[o];
+              ASSERT_NEAR(one[o], want, 1e-6 * (mag * scale[o] + std::fabs(b[o])) + 1e-6) << r << "," << o;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// int8 and bf16 products stay near the float32 product (what they approximate).
+TEST(LinearTest, LowPrecisionErrorIsBoundedByTheStep) {
+  const int in = 512, out = 256;
+  const std::vector<float> w = Random(size_t(in) * out, 3), x = Random(in, 4);
+  std::vector<float> f32(out), lo(out);
+  cpu::LinearPacked(x.data(), 1, cpu::PackedMatrix(w.data(), out, in), nullptr, f32.data(), nullptr);
+  for (auto [t, rel] : {std::pair{cpu::WeightType::kBf16, 1.0 / 256}, std::pair{cpu::WeightType::kInt8, 1.0 / 127}}) {
+    cpu::LinearPacked(x.data(), 1, cpu::PackedMatrix(w.data(), out, in, t), nullptr, lo.data(), nullptr);
+    double worst = 0;
+    for (int o = 0; o < out; ++o) {
+      // |error| <= sum |x_i| * (half a step of w_i): bf16 steps are 2^-7 of |w_i| at most, int8's
+      // are max |w| / 127.
+      double bound = 0, amax = 0;
+      for (int i = 0; i < in; ++i) amax = std::max(amax, std::fabs(double(w[size_t(o) * in + i])));
+      for (int i = 0; i < in; ++i) {
+        const double wi = std::fabs(double(w[size_t(o) * in + i]));
+        bound += std::fabs(double(x[i])) * 0.5 * (t == cpu::WeightType::kBf16 ? wi * 2 * rel : amax * rel);
+      }
+      EXPECT_LE(std::fabs(double(lo[o]) - f32[o]), bound + 1e-4) << cpu::WeightTypeName(t) << " " << o;
+      worst = std::max(worst, std::fabs(double(lo[o]) - f32[o]));
+    }
+    EXPECT_GT(worst, 0) << cpu::WeightTypeName(t) << " changed nothing";
+  }
+}
+
+TEST(LinearTest, WeightTypeNames) {
+  for (cpu::WeightType t : {cpu::WeightType::kF32, cpu::WeightType::kBf16, cpu::WeightType::kInt8}) {
+    cpu::WeightType back;
+    ASSERT_TRUE(cpu::ParseWeightType(cpu::WeightTypeName(t), &back));
+    EXPECT_EQ(back, t);
+  }
+  cpu::WeightType unused;
+  EXPECT_FALSE(cpu::ParseWeightType("fp16", &unused));
+}
+
 // Every kernel this CPU runs (the best is what the engine uses): a row's bits do not depend on
 // how many rows share the call or where it sits, and each matches a float64 reference.
 TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {

@@ -18,7 +18,7 @@ namespace {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads)
+  CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads, cpu::WeightType wt)
       : model_(std::move(model)), kv_(kv), pool_(threads) {
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
@@ -27,18 +27,18 @@ class CpuBackend final : public Backend {
     dims_.scale = c.attention_scale;
     auto pack = [&](const LayerWeights& lw) {
       PackedLayer pl;
-      pl.q = cpu::PackedMatrix(lw.wq, w, d);
-      pl.k = cpu::PackedMatrix(lw.wk, w, d);
-      pl.v = cpu::PackedMatrix(lw.wv, w, d);
-      pl.o = cpu::PackedMatrix(lw.wo, d, w);
-      pl.up = cpu::PackedMatrix(lw.w_up, f, d);
-      if (lw.w_gate != nullptr) pl.gate = cpu::PackedMatrix(lw.w_gate, f, d);
-      pl.down = cpu::PackedMatrix(lw.w_down, d, f);
+      pl.q = cpu::PackedMatrix(lw.wq, w, d, wt);
+      pl.k = cpu::PackedMatrix(lw.wk, w, d, wt);
+      pl.v = cpu::PackedMatrix(lw.wv, w, d, wt);
+      pl.o = cpu::PackedMatrix(lw.wo, d, w, wt);
+      pl.up = cpu::PackedMatrix(lw.w_up, f, d, wt);
+      if (lw.w_gate != nullptr) pl.gate = cpu::PackedMatrix(lw.w_gate, f, d, wt);
+      pl.down = cpu::PackedMatrix(lw.w_down, d, f, wt);
       if (lw.cq != nullptr) {
-        pl.cq = cpu::PackedMatrix(lw.cq, w, d);
-        pl.ck = cpu::PackedMatrix(lw.ck, w, d);
-        pl.cv = cpu::PackedMatrix(lw.cv, w, d);
-        pl.co = cpu::PackedMatrix(lw.co, d, w);
+        pl.cq = cpu::PackedMatrix(lw.cq, w, d, wt);
+        pl.ck = cpu::PackedMatrix(lw.ck, w, d, wt);
+        pl.cv = cpu::PackedMatrix(lw.cv, w, d, wt);
+        pl.co = cpu::PackedMatrix(lw.co, d, w, wt);
       }
       return pl;
     };
@@ -80,7 +80,7 @@ class CpuBackend final : public Backend {
       r.alibi_slopes = model_->alibi_slopes().data();
       rel_.push_back(r);
     }
-    lm_head_ = cpu::PackedMatrix(model_->lm_head(), c.vocab_size, d);
+    lm_head_ = cpu::PackedMatrix(model_->lm_head(), c.vocab_size, d, wt);
     // Per layer: K and V pools [num_blocks, n_heads, block_size, head_dim].
     layer_floats_ = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim;
     k_pool_.resize(layer_floats_ * c.n_layers);
@@ -434,14 +434,14 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double mem
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
-                                                       KvCacheConfig kv, int threads) {
+                                                       KvCacheConfig kv, int threads, cpu::WeightType weights) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
   if (kv.block_size < 1 || kv.num_blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache of ", kv.num_blocks, " blocks of ",
                                                    kv.block_size, " tokens; both must be >= 1"));
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::make_unique<CpuBackend>(std::move(model), kv, threads);
+  return std::make_unique<CpuBackend>(std::move(model), kv, threads, weights);
 }
 
 }  // namespace relgen

@@ -1,4 +1,5 @@
-// CPU backend: float32 decoder forward with the kernels of kernels/cpu (GEMMs through cblas).
+// CPU backend: the decoder forward with the kernels of kernels/cpu, float32 arithmetic; dense
+// weights stored as float32, bf16 or int8.
 #pragma once
 
 #include <memory>
@@ -6,6 +7,7 @@
 #include "absl/status/statusor.h"
 #include "engine/backends/backend.h"
 #include "engine/model/model.h"
+#include "kernels/cpu/gemm.h"
 
 namespace relgen {
 
@@ -18,7 +20,10 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& config, int64_t tokens, doubl
                                 int block_size);
 
 // Allocates the KV pool of `kv` (num_blocks >= 1). `threads` 0 uses every hardware thread.
+// `weights` is how the dense layers' weights (and the LM head) are stored; outputs are batch
+// invariant within each.
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
-                                                       KvCacheConfig kv, int threads = 0);
+                                                       KvCacheConfig kv, int threads = 0,
+                                                       cpu::WeightType weights = cpu::WeightType::kF32);
 
 }  // namespace relgen

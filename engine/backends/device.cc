@@ -25,12 +25,21 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
   if (device != "auto" && device != "cpu" && device != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat("--device ", o.device, ": allowed auto, cpu, cuda, cuda:N"));
   }
+  cpu::WeightType weights;
+  if (!cpu::ParseWeightType(o.weights_dtype, &weights)) {
+    return absl::InvalidArgumentError(absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed f32, bf16, int8"));
+  }
 #if RELGEN_WITH_CUDA
   if (device == "auto") device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
   if (device == "cuda") {
     if (index >= CudaDeviceCount()) {
       return absl::UnavailableError(absl::StrCat("--device ", o.device, ": ", CudaDeviceCount(),
                                                  " CUDA devices are present; use --device cpu or auto"));
+    }
+    if (weights != cpu::WeightType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat("--weights_dtype ", o.weights_dtype,
+                                                     ": the CUDA backend stores f32 weights only; use "
+                                                     "--weights_dtype f32, or --device cpu"));
     }
     CudaOptions co;
     co.device = index;
@@ -62,7 +71,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
 #endif
   auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size);
   if (!blocks.ok()) return blocks.status();
-  return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads);
+  return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads, weights);
 }
 
 }  // namespace relgen

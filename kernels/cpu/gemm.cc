@@ -1,6 +1,9 @@
 #include "kernels/cpu/gemm.h"
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <utility>
 #include <cstdlib>
 #include <cstring>
 
@@ -14,92 +17,172 @@ typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
 
-// R rows x 16 outputs, as L vectors V per row; acc[r] += x[r][kk] * panel[kk] for kk = 0..k-1 in
-// order. The same expression for every R and V, so a row's result does not depend on its block.
-template <typename V, int R>
-__attribute__((always_inline)) inline void Micro(const float* x, int ldx, const float* panel, int k,
-                                                 const float* bias, int ncols, float* y, int ldy) {
-  constexpr int L = kP * sizeof(float) / sizeof(V);
+typedef int8_t C4 __attribute__((vector_size(4)));
+typedef int8_t C8 __attribute__((vector_size(8)));
+typedef int8_t C16 __attribute__((vector_size(16)));
+typedef uint16_t H4 __attribute__((vector_size(8)));
+typedef uint16_t H8 __attribute__((vector_size(16)));
+typedef uint16_t H16 __attribute__((vector_size(32)));
+typedef int32_t I4 __attribute__((vector_size(16)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint32_t U4 __attribute__((vector_size(16)));
+typedef uint32_t U8 __attribute__((vector_size(32)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+
+// The narrow element vectors that widen to V (float x N).
+template <int N> struct Narrow;
+template <> struct Narrow<4> { using C = C4; using I = I4; using Bf = H4; using U = U4; };
+template <> struct Narrow<8> { using C = C8; using I = I8; using Bf = H8; using U = U8; };
+template <> struct Narrow<16> { using C = C16; using I = I16; using Bf = H16; using U = U16; };
+
+// Element by element: the form GCC turns into one vpmovsx/vpmovzx (a whole-vector conversion
+// between element sizes is scalarised).
+template <typename Wide, typename Small, size_t... j>
+__attribute__((always_inline)) inline Wide Widen(const Small& s, std::index_sequence<j...>) {
+  return Wide{s[j]...};
+}
+
+// One vector of weights at `p`, widened to float (bf16 exactly; int8 exactly, unscaled).
+template <typename V, typename T>
+__attribute__((always_inline)) inline V LoadW(const T* p) {
+  using NV = Narrow<sizeof(V) / sizeof(float)>;
+  V v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof v);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    typename NV::C c;
+    std::memcpy(&c, p, sizeof c);
+    v = __builtin_convertvector(Widen<typename NV::I>(c, std::make_index_sequence<sizeof(V) / sizeof(float)>()), V);
+  } else {
+    typename NV::Bf h;
+    std::memcpy(&h, p, sizeof h);
+    const typename NV::U u = Widen<typename NV::U>(h, std::make_index_sequence<sizeof(V) / sizeof(float)>()) << 16;
+    std::memcpy(&v, &u, sizeof v);
+  }
+  return v;
+}
+
+// R rows x P panels of 16 outputs, as L vectors V per row; acc[r] += x[r][kk] * panel[kk] for
+// kk = 0..k-1 in order. The same expression for every R, P and V, so a row's result does not
+// depend on its block. (P > 1 gives a few rows independent chains to hide the FMA latency.)
+template <typename V, typename T, int R, int P = 1>
+__attribute__((always_inline)) inline void Micro(const float* x, int ldx, const T* panel, int64_t pstride, int k,
+                                                 const float* scale, const float* bias, int ncols, float* y,
+                                                 int ldy) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  constexpr int Lp = kP / kLanes;
+  constexpr int L = P * Lp;
   V acc[R][L];
   for (int r = 0; r < R; ++r) {
     for (int l = 0; l < L; ++l) acc[r][l] = V{};
   }
-  const V* w = reinterpret_cast<const V*>(panel);
   for (int kk = 0; kk < k; ++kk) {
     V wk[L];
-    for (int l = 0; l < L; ++l) wk[l] = w[kk * L + l];
+    for (int l = 0; l < L; ++l) wk[l] = LoadW<V>(panel + (l / Lp) * pstride + kk * kP + (l % Lp) * kLanes);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * ldx + kk];
       for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
     }
   }
-  constexpr int kLanes = sizeof(V) / sizeof(float);
   for (int r = 0; r < R; ++r) {
     float* yr = y + static_cast<int64_t>(r) * ldy;
     for (int c = 0; c < ncols; ++c) {
-      const float v = acc[r][c / kLanes][c % kLanes];
+      float v = acc[r][c / kLanes][c % kLanes];
+      if (scale != nullptr) v *= scale[c];
       yr[c] = bias != nullptr ? v + bias[c] : v;
     }
   }
 }
 
 // Rows left over after the last full block of RB: one Micro<R> for R = left.
-template <typename V, int R>
-__attribute__((always_inline)) inline void Tail(int left, const float* x, int k, const float* panel,
+template <typename V, typename T, int R>
+__attribute__((always_inline)) inline void Tail(int left, const float* x, int k, const T* panel, const float* scale,
                                                 const float* bias, int ncols, float* y, int ldy) {
   if constexpr (R > 0) {
     if (left == R) {
-      Micro<V, R>(x, k, panel, k, bias, ncols, y, ldy);
+      Micro<V, T, R>(x, k, panel, 0, k, scale, bias, ncols, y, ldy);
     } else {
-      Tail<V, R - 1>(left, x, k, panel, bias, ncols, y, ldy);
+      Tail<V, T, R - 1>(left, x, k, panel, scale, bias, ncols, y, ldy);
     }
   }
 }
 
 // RB rows per micro-kernel call: as many as keep RB x 16 accumulators, one panel row and a
 // broadcast in the vector registers (16 ymm with AVX2, 32 zmm with AVX-512).
-template <typename V, int RB>
+template <typename V, typename T, int RB>
 __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows, const PackedMatrix& w,
                                                        const float* bias, float* y, int p_begin, int p_end) {
   const int k = w.k(), n = w.n();
   for (int r0 = 0; r0 < rows; r0 += kRowChunk) {
     const int r1 = std::min(rows, r0 + kRowChunk);
-    for (int p = p_begin; p < p_end; ++p) {
-      const float* panel = w.panel(p);
+    int p = p_begin;
+    if (r1 - r0 <= 2) {
+      // One or two rows (decode at small batch): three or two panels at once, all full.
+      const int64_t pstride = int64_t{k} * kP;
+      const float* s = w.scales();
+      for (; r1 - r0 == 1 && p + 3 <= p_end && (p + 3) * kP <= n; p += 3) {
+        Micro<V, T, 1, 3>(x + int64_t{r0} * k, k, static_cast<const T*>(w.panel(p)), pstride, k,
+                          s != nullptr ? s + p * kP : nullptr, bias != nullptr ? bias + p * kP : nullptr, 3 * kP,
+                          y + int64_t{r0} * n + p * kP, n);
+      }
+      for (; r1 - r0 == 2 && p + 2 <= p_end && (p + 2) * kP <= n; p += 2) {
+        Micro<V, T, 2, 2>(x + int64_t{r0} * k, k, static_cast<const T*>(w.panel(p)), pstride, k,
+                          s != nullptr ? s + p * kP : nullptr, bias != nullptr ? bias + p * kP : nullptr, 2 * kP,
+                          y + int64_t{r0} * n + p * kP, n);
+      }
+    }
+    for (; p < p_end; ++p) {
+      const T* panel = static_cast<const T*>(w.panel(p));
       const int c0 = p * kP;
       const int ncols = std::min(kP, n - c0);
+      const float* s = w.scales() != nullptr ? w.scales() + c0 : nullptr;
       const float* b = bias != nullptr ? bias + c0 : nullptr;
       int r = r0;
       for (; r + RB <= r1; r += RB) {
-        Micro<V, RB>(x + int64_t{r} * k, k, panel, k, b, ncols, y + int64_t{r} * n + c0, n);
+        Micro<V, T, RB>(x + int64_t{r} * k, k, panel, 0, k, s, b, ncols, y + int64_t{r} * n + c0, n);
       }
-      Tail<V, RB - 1>(r1 - r, x + int64_t{r} * k, k, panel, b, ncols, y + int64_t{r} * n + c0, n);
+      Tail<V, T, RB - 1>(r1 - r, x + int64_t{r} * k, k, panel, s, b, ncols, y + int64_t{r} * n + c0, n);
     }
   }
 }
 
 using PanelFn = void (*)(const float*, int, const PackedMatrix&, const float*, float*, int, int);
 
-__attribute__((target("avx512f"))) void PanelRangeAvx512(const float* x, int rows, const PackedMatrix& w,
-                                                         const float* bias, float* y, int p_begin, int p_end) {
-  PanelRangeT<V16, 8>(x, rows, w, bias, y, p_begin, p_end);
-}
-__attribute__((target("avx2,fma"))) void PanelRangeAvx2(const float* x, int rows, const PackedMatrix& w,
-                                                        const float* bias, float* y, int p_begin, int p_end) {
-  PanelRangeT<V8, 6>(x, rows, w, bias, y, p_begin, p_end);
-}
-void PanelRangeBase(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin,
-                    int p_end) {
-  PanelRangeT<V4, 2>(x, rows, w, bias, y, p_begin, p_end);
-}
-
-PanelFn Kernel(GemmIsa isa) {
-  switch (isa) {
-    case GemmIsa::kAvx512: return PanelRangeAvx512;
-    case GemmIsa::kAvx2: return PanelRangeAvx2;
-    case GemmIsa::kBase: break;
+#define RELGEN_PANEL_FNS(T, SUFFIX)                                                                              \
+  __attribute__((target("avx512f"))) void PanelRangeAvx512##SUFFIX(                                             \
+      const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end) {   \
+    PanelRangeT<V16, T, 8>(x, rows, w, bias, y, p_begin, p_end);                                               \
+  }                                                                                                              \
+  __attribute__((target("avx2,fma"))) void PanelRangeAvx2##SUFFIX(                                              \
+      const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end) {   \
+    PanelRangeT<V8, T, 6>(x, rows, w, bias, y, p_begin, p_end);                                                \
+  }                                                                                                              \
+  void PanelRangeBase##SUFFIX(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,     \
+                              int p_begin, int p_end) {                                                          \
+    PanelRangeT<V4, T, 2>(x, rows, w, bias, y, p_begin, p_end);                                                \
+  }                                                                                                              \
+  PanelFn Kernel##SUFFIX(GemmIsa isa) {                                                                          \
+    switch (isa) {                                                                                               \
+      case GemmIsa::kAvx512: return PanelRangeAvx512##SUFFIX;                                                    \
+      case GemmIsa::kAvx2: return PanelRangeAvx2##SUFFIX;                                                        \
+      case GemmIsa::kBase: break;                                                                                \
+    }                                                                                                            \
+    return PanelRangeBase##SUFFIX;                                                                               \
   }
-  return PanelRangeBase;
+
+RELGEN_PANEL_FNS(float, F32)
+RELGEN_PANEL_FNS(uint16_t, Bf16)
+RELGEN_PANEL_FNS(int8_t, Int8)
+#undef RELGEN_PANEL_FNS
+
+PanelFn Kernel(GemmIsa isa, WeightType type) {
+  switch (type) {
+    case WeightType::kBf16: return KernelBf16(isa);
+    case WeightType::kInt8: return KernelInt8(isa);
+    case WeightType::kF32: break;
+  }
+  return KernelF32(isa);
 }
 
 void Run(PanelFn fn, const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
@@ -114,17 +197,78 @@ void Run(PanelFn fn, const float* x, int rows, const PackedMatrix& w, const floa
 
 }  // namespace
 
-void PackedMatrix::Free::operator()(float* p) const { std::free(p); }
+void PackedMatrix::Free::operator()(char* p) const { std::free(p); }
 
-PackedMatrix::PackedMatrix(const float* w, int n, int k) : n_(n), k_(k) {
-  const size_t count = static_cast<size_t>(panels()) * k * kP;
-  const size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
-  data_.reset(static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
-  float* d = data_.get();
+const char* WeightTypeName(WeightType t) {
+  switch (t) {
+    case WeightType::kBf16: return "bf16";
+    case WeightType::kInt8: return "int8";
+    case WeightType::kF32: break;
+  }
+  return "f32";
+}
+
+bool ParseWeightType(const std::string& name, WeightType* t) {
+  for (WeightType c : {WeightType::kF32, WeightType::kBf16, WeightType::kInt8}) {
+    if (name == WeightTypeName(c)) {
+      *t = c;
+      return true;
+    }
+  }
+  return false;
+}
+
+int WeightTypeBytes(WeightType t) {
+  switch (t) {
+    case WeightType::kBf16: return 2;
+    case WeightType::kInt8: return 1;
+    case WeightType::kF32: break;
+  }
+  return 4;
+}
+
+namespace {
+
+// Round to nearest even; a NaN stays a (quiet) NaN.
+uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace
+
+PackedMatrix::PackedMatrix(const float* w, int n, int k, WeightType type) : n_(n), k_(k), type_(type) {
+  const int eb = WeightTypeBytes(type);
+  const size_t bytes = (static_cast<size_t>(panels()) * k * kP * eb + 63) / 64 * 64;
+  data_.reset(static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
+  char* d = data_.get();
   std::memset(d, 0, bytes);
+  if (type == WeightType::kInt8) scales_.assign(static_cast<size_t>(panels()) * kP, 0.0f);
   for (int o = 0; o < n; ++o) {
-    float* panel = d + static_cast<int64_t>(o / kP) * k * kP;
-    for (int kk = 0; kk < k; ++kk) panel[kk * kP + o % kP] = w[static_cast<int64_t>(o) * k + kk];
+    const float* row = w + static_cast<int64_t>(o) * k;
+    const int64_t base = static_cast<int64_t>(o / kP) * k * kP + o % kP;
+    switch (type) {
+      case WeightType::kF32:
+        for (int kk = 0; kk < k; ++kk) reinterpret_cast<float*>(d)[base + kk * kP] = row[kk];
+        break;
+      case WeightType::kBf16:
+        for (int kk = 0; kk < k; ++kk) reinterpret_cast<uint16_t*>(d)[base + kk * kP] = ToBf16(row[kk]);
+        break;
+      case WeightType::kInt8: {
+        float amax = 0;
+        for (int kk = 0; kk < k; ++kk) amax = std::max(amax, std::fabs(row[kk]));
+        const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+        scales_[o] = scale;
+        for (int kk = 0; kk < k; ++kk) {
+          const float q = std::nearbyint(row[kk] / scale);
+          reinterpret_cast<int8_t*>(d)[base + kk * kP] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+        }
+        break;
+      }
+    }
   }
 }
 
@@ -150,13 +294,13 @@ const char* GemmIsaName(GemmIsa isa) {
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool) {
   // Chosen once per process, so every row of a run takes the same arithmetic.
-  static const PanelFn fn = Kernel(SupportedGemmIsas().front());
-  Run(fn, x, rows, w, bias, y, pool);
+  static const GemmIsa isa = SupportedGemmIsas().front();
+  Run(Kernel(isa, w.type()), x, rows, w, bias, y, pool);
 }
 
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool, GemmIsa isa) {
-  Run(Kernel(isa), x, rows, w, bias, y, pool);
+  Run(Kernel(isa, w.type()), x, rows, w, bias, y, pool);
 }
 
 }  // namespace relgen::cpu

@@ -7,31 +7,51 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/thread_pool.h"
 
 namespace relgen::cpu {
 
+// How the packed weights are stored. The arithmetic is float32 in every case: bf16 elements are
+// widened exactly; int8 elements are widened, accumulated, and the sum multiplied by the output
+// channel's scale (symmetric, max |w| / 127 per output) before the bias.
+enum class WeightType { kF32, kBf16, kInt8 };
+const char* WeightTypeName(WeightType t);  // "f32", "bf16", "int8"
+bool ParseWeightType(const std::string& name, WeightType* t);
+int WeightTypeBytes(WeightType t);
+
 // W [n, k] repacked into panels of 16 outputs, [panels][k][16], zero-padded; 64-byte aligned.
 class PackedMatrix {
  public:
   static constexpr int kPanel = 16;
   PackedMatrix() = default;
-  PackedMatrix(const float* w, int n, int k);
+  PackedMatrix(const float* w, int n, int k, WeightType type = WeightType::kF32);
 
   int n() const { return n_; }
   int k() const { return k_; }
+  WeightType type() const { return type_; }
   int panels() const { return (n_ + kPanel - 1) / kPanel; }
-  const float* panel(int p) const { return data_.get() + static_cast<int64_t>(p) * k_ * kPanel; }
-  int64_t bytes() const { return static_cast<int64_t>(panels()) * k_ * kPanel * sizeof(float); }
+  // Panel p's elements, of type() (float, uint16_t bf16 bits or int8_t).
+  const void* panel(int p) const {
+    return data_.get() + static_cast<int64_t>(p) * k_ * kPanel * WeightTypeBytes(type_);
+  }
+  // int8: one scale per output, padded to whole panels; empty otherwise.
+  const float* scales() const { return scales_.empty() ? nullptr : scales_.data(); }
+  int64_t bytes() const {
+    return static_cast<int64_t>(panels()) * k_ * kPanel * WeightTypeBytes(type_) +
+           static_cast<int64_t>(scales_.size()) * sizeof(float);
+  }
 
  private:
   struct Free {
-    void operator()(float* p) const;
+    void operator()(char* p) const;
   };
   int n_ = 0, k_ = 0;
-  std::unique_ptr<float, Free> data_;
+  WeightType type_ = WeightType::kF32;
+  std::unique_ptr<char, Free> data_;
+  std::vector<float> scales_;
 };
 
 // The instruction sets the packed GEMM has a kernel for. The arithmetic of an output element is

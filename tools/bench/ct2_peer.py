@@ -36,7 +36,7 @@ import safetensors_io  # noqa: E402
 def load(model_dir):
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     cfg.setdefault("head_dim", cfg["d_model"] // cfg["n_heads"])
-    t = {k: np.asarray(v, dtype=np.float32) for k, v in safetensors_io.load(os.path.join(model_dir, "model.safetensors")).items()}
+    t = {k: np.array(v, dtype=np.float32) for k, v in safetensors_io.load(os.path.join(model_dir, "model.safetensors")).items()}
     return cfg, t
 
 

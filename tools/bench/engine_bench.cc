@@ -85,10 +85,11 @@ struct Result {
   double prefill_tps = 0, batch_prefill_tps = 0, decode_tps = 0;
 };
 
-Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads) {
+Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
+                 cpu::WeightType weights) {
   const int bs = 16;
   const int per_seq = BlocksForTokens(context + steps + 1, bs);
-  auto backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads);
+  auto backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights);
   std::vector<std::vector<int32_t>> tables(batch);
   for (int b = 0; b < batch; ++b) {
     for (int i = 0; i < per_seq; ++i) tables[b].push_back(b * per_seq + i);
@@ -199,10 +200,11 @@ int RunEngineBench(const EngineBenchOptions& o) {
   // Work per decode token: every weight is read once per step (shared by the batch); each sequence
   // reads its own K/V; the dense FLOPs scale with the batch.
   const int64_t dense_params = (*model)->num_parameters() - int64_t{cfg.vocab_size} * cfg.d_model * (cfg.tie_embeddings ? 0 : 1);
-  const double weight_bytes = double((*model)->num_parameters()) * sizeof(float);
-  std::printf("model %s: %s, d_model %d, %d layers, %d heads, ffn %d, %.1fM parameters (f32 %.0f MB)\n",
+  // Nearly every parameter sits in a dense layer or the LM head, stored as --weights_dtype.
+  const double weight_bytes = double((*model)->num_parameters()) * cpu::WeightTypeBytes(o.weights);
+  std::printf("model %s: %s, d_model %d, %d layers, %d heads, ffn %d, %.1fM parameters (%s weights, %.0f MB)\n",
               cfg.name.c_str(), std::string(SchemeName(cfg.rel.scheme)).c_str(), cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_dim,
-              (*model)->num_parameters() / 1e6, weight_bytes / 1e6);
+              (*model)->num_parameters() / 1e6, cpu::WeightTypeName(o.weights), weight_bytes / 1e6);
   const bool peer = o.peer != "none";
   const std::string peer_name = o.peer == "torch" ? "torch" : "ct2 " + o.peer_compute_type;
   if (peer) std::printf("peer: %s\n", PeerCommand(o, 1, o.contexts[0], threads).c_str());
@@ -219,7 +221,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::printf("repetition %d of %d\n", rep + 1, o.reps);
     std::fflush(stdout);
     for (Cell& c : cells) {
-      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads);
+      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights);
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
@@ -273,6 +275,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
   if (!o.json_out.empty()) {
     std::ofstream(o.json_out) << json({{"read_bandwidth_Bps", read_bw}, {"copy_bandwidth_Bps", copy_bw},
                                        {"gemm_flops", flops}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
+                                       {"weights_dtype", cpu::WeightTypeName(o.weights)},
                                        {"repetitions", o.reps}, {"results", rows}}).dump(2);
   }
   std::printf("\nroofline: decode step time if bound only by reading weights + this batch's K/V at the read\n"

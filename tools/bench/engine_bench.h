@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/gemm.h"
+
 namespace relgen::bench {
 
 struct EngineBenchOptions {
@@ -20,6 +22,7 @@ struct EngineBenchOptions {
   std::string peer_compute_type = "float32";  // ct2: float32, int8, int8_float32, bfloat16
   int reps = 3;
   std::string json_out;
+  cpu::WeightType weights = cpu::WeightType::kF32;  // relgen's dense weights
 };
 
 int RunEngineBench(const EngineBenchOptions& options);

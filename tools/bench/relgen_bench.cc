@@ -24,6 +24,7 @@ int Usage() {
                "       relgen-bench engine --model DIR [--batches 1,16] [--contexts 512] [--steps 16] [--threads 0]\n"
                "                           [--reps 3] [--peer ct2|torch|none] [--peer_python PATH]\n"
                "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
+               "                           [--weights_dtype f32|bf16|int8]\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
@@ -102,6 +103,7 @@ int main(int argc, char** argv) {
         ok = (o.peer_compute_type = v) == "float32" || v == "int8" || v == "int8_float32" || v == "bfloat16";
       else if (f == "--reps") ok = absl::SimpleAtoi(v, &o.reps) && o.reps > 0;
       else if (f == "--json") o.json_out = v;
+      else if (f == "--weights_dtype") ok = relgen::cpu::ParseWeightType(v, &o.weights);
       else ok = false;
       if (!ok) return Usage();
     }
