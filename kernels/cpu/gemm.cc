@@ -12,6 +12,7 @@ namespace {
 
 constexpr int kP = PackedMatrix::kPanel;
 constexpr int kRowChunk = 128;  // rows per pass over the weights (keeps x in cache)
+constexpr int kStageRows = 8;   // bf16 / int8 panels are widened once for this many rows or more
 
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
@@ -39,28 +40,31 @@ template <> struct Narrow<16> { using C = C16; using I = I16; using Bf = H16; us
 // Element by element: the form GCC turns into one vpmovsx/vpmovzx (a whole-vector conversion
 // between element sizes is scalarised).
 template <typename Wide, typename Small, size_t... j>
-__attribute__((always_inline)) inline Wide Widen(const Small& s, std::index_sequence<j...>) {
-  return Wide{s[j]...};
+__attribute__((always_inline)) inline void Widen(const Small& s, Wide& out, std::index_sequence<j...>) {
+  out = Wide{s[j]...};
 }
 
 // One vector of weights at `p`, widened to float (bf16 exactly; int8 exactly, unscaled).
+// (Through a reference: returning a vector type from a function of no target draws an ABI warning.)
 template <typename V, typename T>
-__attribute__((always_inline)) inline V LoadW(const T* p) {
+__attribute__((always_inline)) inline void LoadW(const T* p, V& v) {
   using NV = Narrow<sizeof(V) / sizeof(float)>;
-  V v;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof v);
   } else if constexpr (std::is_same_v<T, int8_t>) {
     typename NV::C c;
     std::memcpy(&c, p, sizeof c);
-    v = __builtin_convertvector(Widen<typename NV::I>(c, std::make_index_sequence<sizeof(V) / sizeof(float)>()), V);
+    typename NV::I i;
+    Widen(c, i, std::make_index_sequence<sizeof(V) / sizeof(float)>());
+    v = __builtin_convertvector(i, V);
   } else {
     typename NV::Bf h;
     std::memcpy(&h, p, sizeof h);
-    const typename NV::U u = Widen<typename NV::U>(h, std::make_index_sequence<sizeof(V) / sizeof(float)>()) << 16;
+    typename NV::U u;
+    Widen(h, u, std::make_index_sequence<sizeof(V) / sizeof(float)>());
+    u <<= 16;
     std::memcpy(&v, &u, sizeof v);
   }
-  return v;
 }
 
 // R rows x P panels of 16 outputs, as L vectors V per row; acc[r] += x[r][kk] * panel[kk] for
@@ -79,7 +83,7 @@ __attribute__((always_inline)) inline void Micro(const float* x, int ldx, const 
   }
   for (int kk = 0; kk < k; ++kk) {
     V wk[L];
-    for (int l = 0; l < L; ++l) wk[l] = LoadW<V>(panel + (l / Lp) * pstride + kk * kP + (l % Lp) * kLanes);
+    for (int l = 0; l < L; ++l) LoadW(panel + (l / Lp) * pstride + kk * kP + (l % Lp) * kLanes, wk[l]);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * ldx + kk];
       for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
@@ -138,6 +142,26 @@ __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows,
       const int ncols = std::min(kP, n - c0);
       const float* s = w.scales() != nullptr ? w.scales() + c0 : nullptr;
       const float* b = bias != nullptr ? bias + c0 : nullptr;
+      if constexpr (!std::is_same_v<T, float>) {
+        if (r1 - r0 >= kStageRows) {
+          // Many rows: widen the panel once into float (exact) and run the float kernel on it. Each
+          // weight enters the same multiply-add as in the narrow kernel, so the bits are the same.
+          static thread_local std::vector<float> staged;
+          staged.resize(static_cast<size_t>(k) * kP);
+          for (int i = 0; i < k * kP; i += sizeof(V) / sizeof(float)) {
+            V wide;
+            LoadW(panel + i, wide);
+            std::memcpy(staged.data() + i, &wide, sizeof wide);
+          }
+          int r = r0;
+          for (; r + RB <= r1; r += RB) {
+            Micro<V, float, RB>(x + int64_t{r} * k, k, staged.data(), 0, k, s, b, ncols, y + int64_t{r} * n + c0, n);
+          }
+          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, staged.data(), s, b, ncols,
+                                 y + int64_t{r} * n + c0, n);
+          continue;
+        }
+      }
       int r = r0;
       for (; r + RB <= r1; r += RB) {
         Micro<V, T, RB>(x + int64_t{r} * k, k, panel, 0, k, s, b, ncols, y + int64_t{r} * n + c0, n);

@@ -3,12 +3,14 @@
 //   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0] [--sequential 1]
 //   relgen-bench engine --model DIR ...   (relgen vs CTranslate2 or the PyTorch reference, with rooflines)
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
+//   relgen-bench accuracy --model DIR ...   (bf16 / int8 weights against f32)
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "tools/bench/accuracy_bench.h"
 #include "tools/bench/batching_bench.h"
 #include "tools/bench/engine_bench.h"
 #include "tools/bench/serve_bench.h"
@@ -28,7 +30,9 @@ int Usage() {
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
-               "                          [--json FILE] [--png FILE]\n");
+               "                          [--json FILE] [--png FILE]\n"
+               "       relgen-bench accuracy --model DIR [--weights_dtype bf16,int8] [--fortunes DIR] [--window 256]\n"
+               "                             [--max_windows 0] [--greedy_tokens 1000] [--threads 0] [--json FILE]\n");
   return 64;
 }
 
@@ -109,6 +113,30 @@ int main(int argc, char** argv) {
     }
     if (o.model.empty()) return Usage();
     return relgen::bench::RunEngineBench(o);
+  }
+  if (cmd == "accuracy") {
+    relgen::bench::AccuracyOptions o;
+    for (auto& [f, v] : flags) {
+      bool ok = true;
+      if (f == "--model") o.model = v;
+      else if (f == "--weights_dtype") {
+        o.weights.clear();
+        for (absl::string_view part : absl::StrSplit(v, ',')) {
+          relgen::cpu::WeightType t;
+          ok = ok && relgen::cpu::ParseWeightType(std::string(part), &t);
+          o.weights.push_back(t);
+        }
+      } else if (f == "--fortunes") o.fortunes = v;
+      else if (f == "--window") ok = absl::SimpleAtoi(v, &o.window) && o.window > 0;
+      else if (f == "--max_windows") ok = absl::SimpleAtoi(v, &o.max_windows) && o.max_windows >= 0;
+      else if (f == "--greedy_tokens") ok = absl::SimpleAtoi(v, &o.greedy_tokens) && o.greedy_tokens > 0;
+      else if (f == "--threads") ok = absl::SimpleAtoi(v, &o.threads) && o.threads >= 0;
+      else if (f == "--json") o.json_out = v;
+      else ok = false;
+      if (!ok) return Usage();
+    }
+    if (o.model.empty()) return Usage();
+    return relgen::bench::RunAccuracyBench(o);
   }
   if (cmd == "serve") {
     relgen::bench::ServeOptions o;

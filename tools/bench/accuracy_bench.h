@@ -1,0 +1,25 @@
+// relgen-bench accuracy: what storing the dense weights in bf16 or int8 costs against float32, on
+// the same model: logit error, greedy agreement, and bits per byte on held-out fortunes.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/gemm.h"
+
+namespace relgen::bench {
+
+struct AccuracyOptions {
+  std::string model;
+  std::vector<cpu::WeightType> weights = {cpu::WeightType::kBf16, cpu::WeightType::kInt8};
+  std::string fortunes = "/usr/share/games/fortunes";  // held out: every 20th fortune, as tools/train.py
+  int window = 256;      // tokens per held-out window (as tools/train.py scores them)
+  int max_windows = 0;   // 0: all of the held-out text
+  int greedy_tokens = 1000;
+  int threads = 0;
+  std::string json_out;
+};
+
+int RunAccuracyBench(const AccuracyOptions& options);
+
+}  // namespace relgen::bench
