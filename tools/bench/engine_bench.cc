@@ -14,6 +14,7 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/thread_pool.h"
 #include "nlohmann/json.hpp"
+#include "tools/bench/machine_bench.h"
 
 #ifndef RELGEN_SOURCE_DIR
 #define RELGEN_SOURCE_DIR "."
@@ -190,12 +191,27 @@ int RunEngineBench(const EngineBenchOptions& o) {
       return 2;
     }
   }
+  MachineFigures machine;
+  if (!o.machine.empty() && !LoadMachineFigures(o.machine, &machine)) return 2;
   const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   cpu::ThreadPool pool(threads);
   std::printf("measuring the machine's ceilings (%d threads)...\n", threads);
-  const double read_bw = ReadBandwidth(pool), copy_bw = CopyBandwidth(), flops = GemmFlops(pool);
-  std::printf("read bandwidth %.1f GB/s, copy bandwidth %.1f GB/s, GEMM %.1f GFLOP/s (relgen packed, 256x2048x2048)\n\n",
-              read_bw / 1e9, copy_bw / 1e9, flops / 1e9);
+  const double read_bw = ReadBandwidth(pool), copy_bw = CopyBandwidth(), gemm_flops = GemmFlops(pool);
+  std::printf("read bandwidth %.1f GB/s, copy bandwidth %.1f GB/s, GEMM %.1f GFLOP/s (relgen packed, 256x2048x2048)\n",
+              read_bw / 1e9, copy_bw / 1e9, gemm_flops / 1e9);
+  if (!o.machine.empty()) {
+    if (machine.threads != threads) {
+      std::printf("note: %s was measured with %d threads, this run uses %d\n", o.machine.c_str(), machine.threads,
+                  threads);
+    }
+    std::printf("roofline bounds from %s (measured apart): read bandwidth by working set, FMA peak %.1f GFLOP/s\n",
+                o.machine.c_str(), machine.peak_flops / 1e9);
+  } else {
+    std::printf("roofline bounds from this run's own probes above (pass --machine FILE for independent ones)\n");
+  }
+  std::printf("\n");
+  const double flops = machine.peak_flops > 0 ? machine.peak_flops : gemm_flops;
+  auto bandwidth_for = [&](double bytes) { return machine.read.empty() ? read_bw : ReadBandwidthFor(machine, bytes); };
 
   // Work per decode token: every weight is read once per step (shared by the batch); each sequence
   // reads its own K/V; the dense FLOPs scale with the batch.
@@ -257,7 +273,8 @@ int RunEngineBench(const EngineBenchOptions& o) {
     const double decode_tps = Median(c.dec);
     const double kv_bytes = double(c.batch) * c.context * cfg.n_layers * 2.0 * cfg.qkv_width() * sizeof(float);
     const double step_flops = 2.0 * c.batch * dense_params + 4.0 * c.batch * c.context * cfg.n_layers * cfg.qkv_width();
-    const double roof_s = std::max((weight_bytes + kv_bytes) / read_bw, step_flops / flops);
+    const double bw = bandwidth_for(weight_bytes + kv_bytes);
+    const double roof_s = std::max((weight_bytes + kv_bytes) / bw, step_flops / flops);
     const double fraction = roof_s / (c.batch / decode_tps);
     auto cell = [&](const std::vector<double>& mine, const std::vector<double>& ratio) {
       return Summary(mine, "%.0f") + (ratio.empty() ? std::string() : ", " + Summary(ratio, "%.2fx"));
@@ -270,17 +287,20 @@ int RunEngineBench(const EngineBenchOptions& o) {
                     {"peer_decode_tps", Series(c.peer_dec)}, {"prefill_ratio", Series(c.r_pre)},
                     {"batch_prefill_ratio", Series(c.r_bpre)}, {"decode_ratio", Series(c.r_dec)},
                     {"decode_roofline_fraction", fraction},
-                    {"roofline_bound", (weight_bytes + kv_bytes) / read_bw >= step_flops / flops ? "memory" : "compute"}});
+                    {"roofline_bandwidth_Bps", bw},
+                    {"roofline_bound", (weight_bytes + kv_bytes) / bw >= step_flops / flops ? "memory" : "compute"}});
   }
   if (!o.json_out.empty()) {
     std::ofstream(o.json_out) << json({{"read_bandwidth_Bps", read_bw}, {"copy_bandwidth_Bps", copy_bw},
-                                       {"gemm_flops", flops}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
+                                       {"gemm_flops", gemm_flops}, {"roofline_flops", flops},
+                                       {"roofline_source", o.machine.empty() ? "own probes" : o.machine}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
                                        {"weights_dtype", cpu::WeightTypeName(o.weights)},
                                        {"repetitions", o.reps}, {"results", rows}}).dump(2);
   }
   std::printf("\nroofline: decode step time if bound only by reading weights + this batch's K/V at the read\n"
-              "bandwidth, or by the dense FLOPs at the GEMM ceiling, whichever is larger; shown as a\n"
-              "fraction of the measured step time.\n");
+              "bandwidth (with --machine: of the smallest measured working set that holds them), or by the\n"
+              "dense FLOPs at the arithmetic ceiling (--machine: the FMA peak; else relgen's GEMM), whichever\n"
+              "is larger; shown as a fraction of the measured step time.\n");
   return 0;
 }
 

@@ -23,6 +23,9 @@ struct EngineBenchOptions {
   int reps = 3;
   std::string json_out;
   cpu::WeightType weights = cpu::WeightType::kF32;  // relgen's dense weights
+  // A `relgen-bench machine --json` file: the roofline's bounds, measured apart from this run.
+  // Empty: this run's own probes (then the roofline is not independent of the run).
+  std::string machine;
 };
 
 int RunEngineBench(const EngineBenchOptions& options);

@@ -4,6 +4,7 @@
 //   relgen-bench engine --model DIR ...   (relgen vs CTranslate2 or the PyTorch reference, with rooflines)
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
 //   relgen-bench accuracy --model DIR ...   (bf16 / int8 weights against f32)
+//   relgen-bench machine [--json FILE]   (bandwidth by working set and FMA peak, for --machine)
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "tools/bench/accuracy_bench.h"
 #include "tools/bench/batching_bench.h"
 #include "tools/bench/engine_bench.h"
+#include "tools/bench/machine_bench.h"
 #include "tools/bench/serve_bench.h"
 #include "tools/bench/memory_bench.h"
 
@@ -26,7 +28,8 @@ int Usage() {
                "       relgen-bench engine --model DIR [--batches 1,16] [--contexts 512] [--steps 16] [--threads 0]\n"
                "                           [--reps 3] [--peer ct2|torch|none] [--peer_python PATH]\n"
                "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
-               "                           [--weights_dtype f32|bf16|int8]\n"
+               "                           [--weights_dtype f32|bf16|int8] [--machine FILE]\n"
+               "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
@@ -108,11 +111,24 @@ int main(int argc, char** argv) {
       else if (f == "--reps") ok = absl::SimpleAtoi(v, &o.reps) && o.reps > 0;
       else if (f == "--json") o.json_out = v;
       else if (f == "--weights_dtype") ok = relgen::cpu::ParseWeightType(v, &o.weights);
+      else if (f == "--machine") o.machine = v;
       else ok = false;
       if (!ok) return Usage();
     }
     if (o.model.empty()) return Usage();
     return relgen::bench::RunEngineBench(o);
+  }
+  if (cmd == "machine") {
+    relgen::bench::MachineOptions o;
+    for (auto& [f, v] : flags) {
+      bool ok = true;
+      if (f == "--threads") ok = absl::SimpleAtoi(v, &o.threads) && o.threads >= 0;
+      else if (f == "--reps") ok = absl::SimpleAtoi(v, &o.reps) && o.reps > 0;
+      else if (f == "--json") o.json_out = v;
+      else ok = false;
+      if (!ok) return Usage();
+    }
+    return relgen::bench::RunMachineBench(o);
   }
   if (cmd == "accuracy") {
     relgen::bench::AccuracyOptions o;
