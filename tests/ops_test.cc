@@ -107,6 +107,7 @@ TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
             cpu::LinearPacked(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr, isa);
             ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0)
                 << "row " << r << " of " << rows << " (" << in << " -> " << out << ")";
+            if (r != rows - 1 && r % 16 != 0) continue;  // the values: a sample of rows (the bits are all checked)
             for (int o = 0; o < out; ++o) {
               double acc = 0, mag = 0;
               for (int i = 0; i < in; ++i) {
