@@ -673,6 +673,14 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     EXPECT_EQ((*backend)->device(), "simt-emulator:0") << device;
   }
   EXPECT_FALSE(NewBackend(model, DeviceOptions{"cuda:1", 1024}).ok());
+  DeviceOptions int8;
+  int8.device = "cuda";
+  int8.kv_cache_tokens = 1024;
+  int8.weights_dtype = "int8";
+  const auto refused = NewBackend(model, int8);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("stores f32 weights only"), absl::string_view::npos)
+      << refused.status();
 }
 
 // One forward's work as the emulator counts it: every projection is one GEMM, memory comes back.

@@ -4,12 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "engine/backends/cpu_backend.h"
+#include "engine/backends/device.h"
 #include "engine/core/engine.h"
 #include "tests/test_util.h"
 
@@ -335,6 +337,33 @@ TEST(KvSizingTest, TokensOrMemoryFraction) {
   ASSERT_TRUE(by_memory.ok()) << by_memory.status();
   EXPECT_GT(*by_memory, 32);
   EXPECT_THAT(CpuKvBlocks(c, 0, 1.5, 16).status().message(), HasSubstr("allowed (0, 1]"));
+}
+
+// --weights_dtype through NewBackend: the CPU stores what was asked; a name it does not know is
+// refused with the allowed ones.
+TEST(DeviceWeightsTest, CpuStoresTheAskedTypeAndRefusesUnknownOnes) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  std::map<std::string, int64_t> weights;
+  for (const char* t : {"f32", "bf16", "int8"}) {
+    DeviceOptions o;
+    o.device = "cpu";
+    o.kv_cache_tokens = 1024;
+    o.weights_dtype = t;
+    auto backend = NewBackend(model, o);
+    ASSERT_TRUE(backend.ok()) << t << ": " << backend.status();
+    weights[t] = (*backend)->memory().weights;
+  }
+  // The packed copies shrink by 2x and 4x (the model's own float32 tensors stay, counted in each).
+  const int64_t original = model->float_bytes();
+  EXPECT_NEAR(double(weights["bf16"] - original) / (weights["f32"] - original), 0.5, 0.01);
+  EXPECT_NEAR(double(weights["int8"] - original) / (weights["f32"] - original), 0.25, 0.02);
+  DeviceOptions bad;
+  bad.device = "cpu";
+  bad.kv_cache_tokens = 1024;
+  bad.weights_dtype = "fp16";
+  const auto refused = NewBackend(model, bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("--weights_dtype fp16: allowed f32, bf16, int8"));
 }
 
 // ---- stops
