@@ -499,10 +499,10 @@ void LaneExit(Lane& me) {
   }
   auto lock = MaybeLock(b.threads, b.mu);
   ++b.exited;
-  if (b.arrived > 0) {
+  if (const int arrived = b.arrived; arrived > 0) {  // read under the lock: Fault needs it released
     if (lock.owns_lock()) lock.unlock();
     Fault(b,
-          b.Where(me) + " exited while " + std::to_string(b.arrived) +
+          b.Where(me) + " exited while " + std::to_string(arrived) +
               " threads of its block wait at __syncthreads (a barrier not every thread reaches)");
   }
 }
@@ -759,9 +759,9 @@ void SyncThreads() {
     me.state = State::kBarrierWait;
   }
   auto lock = MaybeLock(b.threads, b.mu);
-  if (b.exited > 0) {
+  if (const int exited = b.exited; exited > 0) {  // read under the lock: Fault needs it released
     if (lock.owns_lock()) lock.unlock();
-    Fault(b, b.Where(me) + " reached __syncthreads after " + std::to_string(b.exited) +
+    Fault(b, b.Where(me) + " reached __syncthreads after " + std::to_string(exited) +
                  " threads of its block exited (a barrier not every thread reaches)");
   }
   if (++b.arrived < b.n) {
