@@ -51,6 +51,9 @@ ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
 ABSL_FLAG(std::string, weights_dtype, "f32",
           "how the CPU backend stores the dense layers' weights: f32, bf16 (half the bytes) or int8 (a quarter; "
           "per-output-channel scales); arithmetic stays float32. docs/benchmarks.md gives each one's accuracy");
+ABSL_FLAG(std::string, kv_cache_dtype, "f32",
+          "how the CPU backend stores the K/V cache: f32, or bf16 (half the bytes: twice the tokens in the same "
+          "memory, half the cache read per decode step); arithmetic stays float32");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_waiting, 1024, "queued requests at most; beyond, RESOURCE_EXHAUSTED");
@@ -171,6 +174,7 @@ int Main(int argc, char** argv) {
   o.device = absl::GetFlag(FLAGS_device);
   o.threads = absl::GetFlag(FLAGS_threads);
   o.weights_dtype = absl::GetFlag(FLAGS_weights_dtype);
+  o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
   o.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.max_waiting = absl::GetFlag(FLAGS_max_waiting);
@@ -290,12 +294,14 @@ int Main(int argc, char** argv) {
   dev.kv_block_size = o.kv_block_size;
   dev.threads = o.threads;
   dev.weights_dtype = o.weights_dtype;
+  dev.kv_cache_dtype = o.kv_cache_dtype;
   dev.max_step_tokens = o.max_batch_tokens;
   dev.max_step_seqs = o.max_num_seqs;
   auto backend = NewBackend(*model, dev);
   if (!backend.ok()) return Fail(std::string(backend.status().message()));
   const KvCacheConfig kv = (*backend)->kv_cache();
   const std::string device_name = (*backend)->device();
+  const int64_t kv_bytes = (*backend)->memory().kv_cache;
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;
@@ -310,11 +316,11 @@ int Main(int argc, char** argv) {
   metrics->SetServing(true);
 
   const int64_t kv_tokens = int64_t{kv.num_blocks} * kv.block_size;
-  std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s, %s weights) on %s; KV cache %lld tokens (%.1f MiB); "
+  std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s, %s weights) on %s; KV cache %lld tokens (%s, %.1f MiB); "
               "gRPC on %s%s%s; metrics on %s\n",
               c.name.c_str(), o.model.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
               static_cast<long long>((*model)->num_parameters()), std::string(DTypeName((*model)->file_dtype())).c_str(),
-              o.weights_dtype.c_str(), device_name.c_str(), static_cast<long long>(kv_tokens), kv_tokens * CpuKvBytesPerToken(c) / 1048576.0,
+              o.weights_dtype.c_str(), device_name.c_str(), static_cast<long long>(kv_tokens), o.kv_cache_dtype.c_str(), kv_bytes / 1048576.0,
               WithPort(o.listen, port).c_str(),
               o.tls_cert.empty() ? "" : (o.tls_client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
               o.auth_token.empty() ? "" : " (bearer token)", WithPort(o.metrics_listen, *metrics_port).c_str());

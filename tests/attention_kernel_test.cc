@@ -11,6 +11,7 @@
 
 #include "kernels/cpu/attention.h"
 #include "kernels/relpos_host.h"
+#include "tests/test_util.h"
 
 namespace relgen {
 namespace {
@@ -64,94 +65,115 @@ TEST_P(AttentionKernelTest, DecodeAndChunkedPrefillMatchDefinition) {
   rel.scale_with_qk = p.scale_rel;
   cpu::AttentionDims dims{H, hd, 0.37f};
 
-  // Direct evaluation.
-  std::vector<float> want(L * W, 0.0f);
-  for (int h = 0; h < H; ++h) {
-    const int th = p.share ? 0 : h;
-    for (int i = 0; i < L; ++i) {
-      int start = 0;
-      if (p.scheme == relpos::Scheme::kSkewLocal) start = std::max(i / p.block_length - 1, 0) * p.block_length;
-      std::vector<double> logit(L, -INFINITY);
-      for (int j = start; j <= i; ++j) {
-        double qk = 0, r = 0;
-        for (int x = 0; x < hd; ++x) qk += double(q[i * W + h * hd + x]) * k[j * W + h * hd + x];
-        const int dist = i - j;
-        switch (p.scheme) {
-          case relpos::Scheme::kSkew:
-          case relpos::Scheme::kSkewLocal:
-            if (dist < rows) {
-              for (int x = 0; x < hd; ++x) r += double(q[i * W + h * hd + x]) * tk[(th * rows + rows - 1 - dist) * hd + x];
+  // Direct evaluation, from the keys and values as the cache holds them.
+  std::vector<float> want;
+  auto evaluate = [&](const std::vector<double>& k, const std::vector<double>& v) {
+    want.assign(L * W, 0.0f);
+    for (int h = 0; h < H; ++h) {
+      const int th = p.share ? 0 : h;
+      for (int i = 0; i < L; ++i) {
+        int start = 0;
+        if (p.scheme == relpos::Scheme::kSkewLocal) start = std::max(i / p.block_length - 1, 0) * p.block_length;
+        std::vector<double> logit(L, -INFINITY);
+        for (int j = start; j <= i; ++j) {
+          double qk = 0, r = 0;
+          for (int x = 0; x < hd; ++x) qk += double(q[i * W + h * hd + x]) * k[j * W + h * hd + x];
+          const int dist = i - j;
+          switch (p.scheme) {
+            case relpos::Scheme::kSkew:
+            case relpos::Scheme::kSkewLocal:
+              if (dist < rows) {
+                for (int x = 0; x < hd; ++x) r += double(q[i * W + h * hd + x]) * tk[(th * rows + rows - 1 - dist) * hd + x];
+              }
+              break;
+            case relpos::Scheme::kShaw: {
+              const int row = std::clamp(j - i, -p.rows_or_k, p.rows_or_k) + p.rows_or_k;
+              for (int x = 0; x < hd; ++x) r += double(q[i * W + h * hd + x]) * tk[(th * rows + row) * hd + x];
+              break;
             }
-            break;
-          case relpos::Scheme::kShaw: {
-            const int row = std::clamp(j - i, -p.rows_or_k, p.rows_or_k) + p.rows_or_k;
-            for (int x = 0; x < hd; ++x) r += double(q[i * W + h * hd + x]) * tk[(th * rows + row) * hd + x];
-            break;
+            case relpos::Scheme::kT5:
+              r = t5[th * nb + relpos::T5Bucket(j - i, nb, md, false)];
+              break;
+            case relpos::Scheme::kAlibi:
+              r = -double(slopes[h]) * dist;
+              break;
+            default:
+              break;
           }
-          case relpos::Scheme::kT5:
-            r = t5[th * nb + relpos::T5Bucket(j - i, nb, md, false)];
-            break;
-          case relpos::Scheme::kAlibi:
-            r = -double(slopes[h]) * dist;
-            break;
-          default:
-            break;
+          logit[j] = p.scale_rel ? (qk + r) * dims.scale : qk * dims.scale + r;
         }
-        logit[j] = p.scale_rel ? (qk + r) * dims.scale : qk * dims.scale + r;
-      }
-      const double mx = *std::max_element(logit.begin(), logit.end());
-      double sum = 0;
-      for (double& l : logit) sum += (l = std::exp(l - mx));
-      for (int j = start; j <= i; ++j) {
-        const double w = logit[j] / sum;
-        for (int x = 0; x < hd; ++x) {
-          double add = v[j * W + h * hd + x];
-          if (p.values) {
-            const int row = std::clamp(j - i, -p.rows_or_k, p.rows_or_k) + p.rows_or_k;
-            add += tv[(th * rows + row) * hd + x];
+        const double mx = *std::max_element(logit.begin(), logit.end());
+        double sum = 0;
+        for (double& l : logit) sum += (l = std::exp(l - mx));
+        for (int j = start; j <= i; ++j) {
+          const double w = logit[j] / sum;
+          for (int x = 0; x < hd; ++x) {
+            double add = v[j * W + h * hd + x];
+            if (p.values) {
+              const int row = std::clamp(j - i, -p.rows_or_k, p.rows_or_k) + p.rows_or_k;
+              add += tv[(th * rows + row) * hd + x];
+            }
+            want[i * W + h * hd + x] += static_cast<float>(w * add);
           }
-          want[i * W + h * hd + x] += static_cast<float>(w * add);
         }
       }
     }
-  }
+  };
 
-  // Paged cache with a scattered block table; unused pool blocks hold poison.
+  // Paged cache with a scattered block table; unused pool blocks hold poison (NaN in both types).
   std::vector<int32_t> table(nblocks);
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), rng);
   for (int32_t& b : table) b = 2 * b + 1;
   std::vector<float> kpool(2 * nblocks * H * bs * hd, NAN), vpool(kpool.size(), NAN);
-  cpu::KvView kv{kpool.data(), vpool.data(), table.data(), bs, H, hd};
-  cpu::WriteKv(kv, k.data(), v.data(), 0, L);
-
-  auto expect_rows = [&](const std::vector<float>& got, int from, int to, const char* what) {
-    for (int i = from; i < to; ++i) {
-      for (int x = 0; x < W; ++x) {
-        ASSERT_NEAR(got[i * W + x], want[i * W + x], 2e-4) << what << " row " << i << " col " << x;
-      }
+  std::vector<uint16_t> kpool16(kpool.size(), 0x7fc0), vpool16(kpool.size(), 0x7fc0);
+  std::vector<float> f32_decoded;
+  for (cpu::KvType type : {cpu::KvType::kF32, cpu::KvType::kBf16}) {
+    SCOPED_TRACE(cpu::KvTypeName(type));
+    const bool bf16 = type == cpu::KvType::kBf16;
+    cpu::KvView kv{bf16 ? static_cast<void*>(kpool16.data()) : kpool.data(),
+                   bf16 ? static_cast<void*>(vpool16.data()) : vpool.data(), table.data(), bs, H, hd, type};
+    cpu::WriteKv(kv, k.data(), v.data(), 0, L);
+    std::vector<double> kd(k.size()), vd(v.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      kd[i] = bf16 ? testing::Bf16Value(k[i]) : k[i];
+      vd[i] = bf16 ? testing::Bf16Value(v[i]) : v[i];
     }
-  };
-  // Every code path this CPU runs (the best is what the engine uses).
-  for (cpu::AttentionIsa isa : cpu::SupportedAttentionIsas()) {
-    SCOPED_TRACE(cpu::AttentionIsaName(isa));
-    const cpu::AttentionKernels& kern = cpu::AttentionKernelsFor(isa);
-    std::vector<float> decoded(L * W, NAN);
-    for (int i = 0; i < L; ++i) kern.decode(dims, rel, kv, q.data() + i * W, i, decoded.data() + i * W, 0, H);
-    expect_rows(decoded, 0, L, "decode");
-    std::vector<float> out(L * W, NAN);
-    for (const std::vector<int>& chunks : {std::vector<int>{L}, std::vector<int>{3, 5, 1, 7, 2, 11, 16},
-                                           std::vector<int>{1, 20, 24}}) {
-      std::fill(out.begin(), out.end(), NAN);
-      int pos = 0;
-      for (int c : chunks) {
-        kern.prefill(dims, rel, kv, q.data() + pos * W, pos, c, out.data() + pos * W, 0, H);
-        pos += c;
+    evaluate(kd, vd);
+
+    auto expect_rows = [&](const std::vector<float>& got, int from, int to, const char* what) {
+      for (int i = from; i < to; ++i) {
+        for (int x = 0; x < W; ++x) {
+          ASSERT_NEAR(got[i * W + x], want[i * W + x], 2e-4) << what << " row " << i << " col " << x;
+        }
       }
-      ASSERT_EQ(pos, L);
-      expect_rows(out, 0, L, "prefill");
-      // Bitwise: a row does not depend on how the sequence was chunked.
-      for (int i = 0; i < L * W; ++i) ASSERT_EQ(out[i], decoded[i]) << "element " << i;
+    };
+    // Every code path this CPU runs (the best is what the engine uses).
+    for (cpu::AttentionIsa isa : cpu::SupportedAttentionIsas()) {
+      SCOPED_TRACE(cpu::AttentionIsaName(isa));
+      const cpu::AttentionKernels& kern = cpu::AttentionKernelsFor(isa);
+      std::vector<float> decoded(L * W, NAN);
+      for (int i = 0; i < L; ++i) kern.decode(dims, rel, kv, q.data() + i * W, i, decoded.data() + i * W, 0, H);
+      expect_rows(decoded, 0, L, "decode");
+      std::vector<float> out(L * W, NAN);
+      for (const std::vector<int>& chunks : {std::vector<int>{L}, std::vector<int>{3, 5, 1, 7, 2, 11, 16},
+                                             std::vector<int>{1, 20, 24}}) {
+        std::fill(out.begin(), out.end(), NAN);
+        int pos = 0;
+        for (int c : chunks) {
+          kern.prefill(dims, rel, kv, q.data() + pos * W, pos, c, out.data() + pos * W, 0, H);
+          pos += c;
+        }
+        ASSERT_EQ(pos, L);
+        expect_rows(out, 0, L, "prefill");
+        // Bitwise: a row does not depend on how the sequence was chunked.
+        for (int i = 0; i < L * W; ++i) ASSERT_EQ(out[i], decoded[i]) << "element " << i;
+      }
+      // The cache's precision is in effect: bf16 K/V move the outputs off the f32 cache's.
+      if (isa == cpu::SupportedAttentionIsas().front()) {
+        if (!bf16) f32_decoded = decoded;
+        else EXPECT_NE(decoded, f32_decoded);
+      }
     }
   }
 }

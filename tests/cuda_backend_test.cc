@@ -681,6 +681,14 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("stores f32 weights only"), absl::string_view::npos)
       << refused.status();
+  DeviceOptions bf16_kv;
+  bf16_kv.device = "cuda";
+  bf16_kv.kv_cache_tokens = 1024;
+  bf16_kv.kv_cache_dtype = "bf16";
+  const auto kv_refused = NewBackend(model, bf16_kv);
+  EXPECT_EQ(kv_refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(kv_refused.status().message().find("keeps an f32 K/V cache only"), absl::string_view::npos)
+      << kv_refused.status();
 }
 
 // One forward's work as the emulator counts it: every projection is one GEMM, memory comes back.

@@ -26,12 +26,13 @@ struct EngineSetup {
   int max_num_seqs = 16;
   bool background = true;
   cpu::WeightType weights = cpu::WeightType::kF32;
+  cpu::KvType kv_type = cpu::KvType::kF32;
 };
 
 std::unique_ptr<Engine> MakeEngine(const std::string& scheme, const EngineSetup& s) {
   auto model = Model::Load(testing::GoldenDir() + "/engine/" + scheme);
   EXPECT_TRUE(model.ok()) << model.status();
-  auto backend = NewCpuBackend(*model, KvCacheConfig{16, s.num_blocks}, 2, s.weights);
+  auto backend = NewCpuBackend(*model, KvCacheConfig{16, s.num_blocks}, 2, s.weights, s.kv_type);
   EXPECT_TRUE(backend.ok()) << backend.status();
   EngineConfig config;
   config.scheduler.max_batch_tokens = s.max_batch_tokens;
@@ -87,9 +88,11 @@ Result Drain(RequestHandle& h) {
 }
 
 std::vector<Result> RunAlone(const std::string& scheme, const std::vector<Request>& work,
-                             cpu::WeightType weights = cpu::WeightType::kF32) {
+                             cpu::WeightType weights = cpu::WeightType::kF32,
+                             cpu::KvType kv_type = cpu::KvType::kF32) {
   EngineSetup setup;
   setup.weights = weights;
+  setup.kv_type = kv_type;
   auto engine = MakeEngine(scheme, setup);
   std::vector<Result> out;
   for (const Request& r : work) {
@@ -165,16 +168,18 @@ TEST_P(EngineSchemeTest, PreemptionKeepsOutputsAndReturnsEveryBlock) {
 INSTANTIATE_TEST_SUITE_P(Schemes, EngineSchemeTest,
                          ::testing::Values("skew", "skew_local", "shaw", "t5", "alibi", "none"));
 
-// Batch invariance holds within each weight precision, through batching and preemption.
-class EngineWeightsTest : public ::testing::TestWithParam<std::pair<std::string, cpu::WeightType>> {};
+// Batch invariance holds within each precision of the weights and of the K/V cache, through
+// batching and preemption.
+class EngineWeightsTest : public ::testing::TestWithParam<std::tuple<std::string, cpu::WeightType, cpu::KvType>> {};
 
 TEST_P(EngineWeightsTest, BatchedAndPreemptedOutputsEqualAloneOutputs) {
-  const auto& [scheme, weights] = GetParam();
+  const auto& [scheme, weights, kv_type] = GetParam();
   const std::vector<Request> work = Workload();
-  const std::vector<Result> alone = RunAlone(scheme, work, weights);
+  const std::vector<Result> alone = RunAlone(scheme, work, weights, kv_type);
   EngineSetup small;
   small.num_blocks = 40;
   small.weights = weights;
+  small.kv_type = kv_type;
   auto engine = MakeEngine(scheme, small);
   ExpectSame(RunTogether(*engine, work), alone);
   const EngineStats st = engine->Stats();
@@ -187,14 +192,18 @@ TEST_P(EngineWeightsTest, BatchedAndPreemptedOutputsEqualAloneOutputs) {
   EXPECT_TRUE(differs);
 }
 
-INSTANTIATE_TEST_SUITE_P(Weights, EngineWeightsTest,
-                         ::testing::Values(std::pair{std::string("t5"), cpu::WeightType::kInt8},
-                                           std::pair{std::string("skew_local"), cpu::WeightType::kBf16},
-                                           std::pair{std::string("shaw"), cpu::WeightType::kInt8},
-                                           std::pair{std::string("alibi"), cpu::WeightType::kBf16}),
-                         [](const auto& info) {
-                           return info.param.first + "_" + cpu::WeightTypeName(info.param.second);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Weights, EngineWeightsTest,
+    ::testing::Values(std::tuple{std::string("t5"), cpu::WeightType::kInt8, cpu::KvType::kF32},
+                      std::tuple{std::string("skew_local"), cpu::WeightType::kBf16, cpu::KvType::kF32},
+                      std::tuple{std::string("shaw"), cpu::WeightType::kInt8, cpu::KvType::kF32},
+                      std::tuple{std::string("alibi"), cpu::WeightType::kBf16, cpu::KvType::kF32},
+                      std::tuple{std::string("t5"), cpu::WeightType::kF32, cpu::KvType::kBf16},
+                      std::tuple{std::string("skew"), cpu::WeightType::kInt8, cpu::KvType::kBf16}),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + cpu::WeightTypeName(std::get<1>(info.param)) + "_kv_" +
+             cpu::KvTypeName(std::get<2>(info.param));
+    });
 
 // ---- cancellation, with the loop driven step by step
 
@@ -337,6 +346,34 @@ TEST(KvSizingTest, TokensOrMemoryFraction) {
   ASSERT_TRUE(by_memory.ok()) << by_memory.status();
   EXPECT_GT(*by_memory, 32);
   EXPECT_THAT(CpuKvBlocks(c, 0, 1.5, 16).status().message(), HasSubstr("allowed (0, 1]"));
+}
+
+// --kv_cache_dtype through NewBackend: bf16 halves the pool's bytes, so the same memory holds
+// twice the tokens; a name it does not know is refused with the allowed ones.
+TEST(DeviceKvTypeTest, Bf16HalvesTheCacheAndUnknownNamesAreRefused) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const ModelConfig& c = model->config();
+  EXPECT_EQ(CpuKvBytesPerToken(c, cpu::KvType::kBf16), 512);  // 1024 in f32 (KvSizingTest)
+  std::map<std::string, int64_t> bytes;
+  for (const char* t : {"f32", "bf16"}) {
+    DeviceOptions o;
+    o.device = "cpu";
+    o.kv_cache_tokens = 1024;
+    o.kv_cache_dtype = t;
+    auto backend = NewBackend(model, o);
+    ASSERT_TRUE(backend.ok()) << t << ": " << backend.status();
+    EXPECT_EQ((*backend)->kv_cache().num_blocks, 64) << t;
+    bytes[t] = (*backend)->memory().kv_cache;
+  }
+  EXPECT_EQ(bytes["f32"], 1024 * 1024);
+  EXPECT_EQ(bytes["bf16"], 512 * 1024);
+  DeviceOptions bad;
+  bad.device = "cpu";
+  bad.kv_cache_tokens = 1024;
+  bad.kv_cache_dtype = "fp8";
+  const auto refused = NewBackend(model, bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("--kv_cache_dtype fp8: allowed f32, bf16"));
 }
 
 // --weights_dtype through NewBackend: the CPU stores what was asked; a name it does not know is

@@ -11,6 +11,7 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/vmath.h"
+#include "tests/test_util.h"
 
 namespace relgen {
 namespace {
@@ -37,9 +38,7 @@ std::vector<double> Dequantized(const std::vector<float>& w, int out, int in, cp
       if (t == cpu::WeightType::kF32) {
         d[size_t(o) * in + i] = x;
       } else if (t == cpu::WeightType::kBf16) {
-        // bf16 keeps 8 significant bits: the spacing at x is 2^(exponent - 7); ties to even.
-        const double step = x == 0 ? 1.0 : std::ldexp(1.0, std::ilogb(x) - 7);
-        d[size_t(o) * in + i] = std::nearbyint(x / step) * step;
+        d[size_t(o) * in + i] = testing::Bf16Value(x);
       } else {
         (*scale)[o] = s;
         d[size_t(o) * in + i] = std::nearbyint(x / float(s));  // the quotient rounded to float first

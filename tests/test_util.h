@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -19,6 +20,13 @@ namespace relgen::testing {
 inline std::string GoldenDir() {
   const char* d = std::getenv("RELGEN_GOLDEN_DIR");
   return d != nullptr ? d : "";
+}
+
+// What a float stored as bf16 means, written apart from the kernels: bf16 keeps 8 significant
+// bits, so the spacing at x is 2^(exponent - 7); round to nearest, ties to even.
+inline double Bf16Value(float x) {
+  const double step = x == 0 ? 1.0 : std::ldexp(1.0, std::ilogb(x) - 7);
+  return std::nearbyint(x / step) * step;
 }
 
 inline nlohmann::json ReadJson(const std::string& path) {

@@ -1,6 +1,8 @@
 #include "engine/backends/cpu_backend.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -16,10 +18,31 @@
 namespace relgen {
 namespace {
 
+// A K or V pool: raw storage of float or bf16 elements, zeroed up front (the pages are committed
+// at start, as the float vectors were), 64-byte aligned.
+class KvPool {
+ public:
+  void resize(int64_t bytes) {
+    bytes_ = bytes;
+    data_.reset(static_cast<char*>(std::aligned_alloc(64, std::max<int64_t>((bytes + 63) / 64 * 64, 64))));
+    std::memset(data_.get(), 0, bytes);
+  }
+  char* data() { return data_.get(); }
+  int64_t size() const { return bytes_; }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char, Free> data_;
+  int64_t bytes_ = 0;
+};
+
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads, cpu::WeightType wt)
-      : model_(std::move(model)), kv_(kv), pool_(threads) {
+  CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads, cpu::WeightType wt,
+             cpu::KvType kv_type)
+      : model_(std::move(model)), kv_(kv), kv_type_(kv_type), pool_(threads) {
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
     dims_.n_heads = c.n_heads;
@@ -81,10 +104,10 @@ class CpuBackend final : public Backend {
       rel_.push_back(r);
     }
     lm_head_ = cpu::PackedMatrix(model_->lm_head(), c.vocab_size, d, wt);
-    // Per layer: K and V pools [num_blocks, n_heads, block_size, head_dim].
-    layer_floats_ = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim;
-    k_pool_.resize(layer_floats_ * c.n_layers);
-    v_pool_.resize(layer_floats_ * c.n_layers);
+    // Per layer: K and V pools [num_blocks, n_heads, block_size, head_dim] of kv_type elements.
+    layer_bytes_ = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim * cpu::KvTypeBytes(kv_type_);
+    k_pool_.resize(layer_bytes_ * c.n_layers);
+    v_pool_.resize(layer_bytes_ * c.n_layers);
   }
 
   absl::string_view name() const override { return "cpu"; }
@@ -101,7 +124,7 @@ class CpuBackend final : public Backend {
         }
       }
     }
-    m.kv_cache = static_cast<int64_t>(k_pool_.size() + v_pool_.size()) * sizeof(float);
+    m.kv_cache = static_cast<int64_t>(k_pool_.size() + v_pool_.size());
     for (const std::vector<float>* v : {&x_, &h_, &q_, &k_, &v_, &att_, &tmp_, &up_, &gate_, &enc_k_, &enc_v_}) {
       m.activations += static_cast<int64_t>(v->capacity()) * sizeof(float);
     }
@@ -159,19 +182,21 @@ class CpuBackend final : public Backend {
   cpu::KvView View(int layer, absl::Span<const int32_t> table) {
     const ModelConfig& c = model_->config();
     cpu::KvView view;
-    view.k = k_pool_.data() + layer * layer_floats_;
-    view.v = v_pool_.data() + layer * layer_floats_;
+    view.k = k_pool_.data() + layer * layer_bytes_;
+    view.v = v_pool_.data() + layer * layer_bytes_;
     view.block_table = table.data();
     view.block_size = kv_.block_size;
     view.n_heads = c.n_heads;
     view.head_dim = c.head_dim;
+    view.type = kv_type_;
     return view;
   }
 
   std::shared_ptr<const Model> model_;
   KvCacheConfig kv_;
-  int64_t layer_floats_ = 0;
-  std::vector<float> k_pool_, v_pool_;
+  cpu::KvType kv_type_;
+  int64_t layer_bytes_ = 0;
+  KvPool k_pool_, v_pool_;
   cpu::ThreadPool pool_;
   std::vector<PackedLayer> packed_, encoder_packed_;
   cpu::PackedMatrix lm_head_;
@@ -398,13 +423,13 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
 
 }  // namespace
 
-int64_t CpuKvBytesPerToken(const ModelConfig& c) {
-  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * static_cast<int64_t>(sizeof(float));
+int64_t CpuKvBytesPerToken(const ModelConfig& c, cpu::KvType kv_type) {
+  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * cpu::KvTypeBytes(kv_type);
 }
 
 absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double memory_fraction,
-                                int block_size) {
-  const int64_t per_block = CpuKvBytesPerToken(c) * block_size;
+                                int block_size, cpu::KvType kv_type) {
+  const int64_t per_block = CpuKvBytesPerToken(c, kv_type) * block_size;
   if (block_size < 1) return absl::InvalidArgumentError("KV block size must be >= 1");
   int64_t blocks;
   if (tokens > 0) {
@@ -434,14 +459,15 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double mem
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
-                                                       KvCacheConfig kv, int threads, cpu::WeightType weights) {
+                                                       KvCacheConfig kv, int threads, cpu::WeightType weights,
+                                                       cpu::KvType kv_type) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
   if (kv.block_size < 1 || kv.num_blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache of ", kv.num_blocks, " blocks of ",
                                                    kv.block_size, " tokens; both must be >= 1"));
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::make_unique<CpuBackend>(std::move(model), kv, threads, weights);
+  return std::make_unique<CpuBackend>(std::move(model), kv, threads, weights, kv_type);
 }
 
 }  // namespace relgen

@@ -7,23 +7,25 @@
 #include "absl/status/statusor.h"
 #include "engine/backends/backend.h"
 #include "engine/model/model.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/gemm.h"
 
 namespace relgen {
 
-// Bytes of KV pool per token (every layer's K and V, float32).
-int64_t CpuKvBytesPerToken(const ModelConfig& config);
+// Bytes of KV pool per token (every layer's K and V, of `kv_type` elements).
+int64_t CpuKvBytesPerToken(const ModelConfig& config, cpu::KvType kv_type = cpu::KvType::kF32);
 
 // Blocks for a KV pool of `tokens` tokens, or, when tokens is 0, of `memory_fraction` (0, 1] of the
 // memory available now (MemAvailable). Errors say what is too small and what would fit.
 absl::StatusOr<int> CpuKvBlocks(const ModelConfig& config, int64_t tokens, double memory_fraction,
-                                int block_size);
+                                int block_size, cpu::KvType kv_type = cpu::KvType::kF32);
 
 // Allocates the KV pool of `kv` (num_blocks >= 1). `threads` 0 uses every hardware thread.
-// `weights` is how the dense layers' weights (and the LM head) are stored; outputs are batch
-// invariant within each.
+// `weights` is how the dense layers' weights (and the LM head) are stored, `kv_type` the K/V
+// cache's elements; outputs are batch invariant within each combination.
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
                                                        KvCacheConfig kv, int threads = 0,
-                                                       cpu::WeightType weights = cpu::WeightType::kF32);
+                                                       cpu::WeightType weights = cpu::WeightType::kF32,
+                                                       cpu::KvType kv_type = cpu::KvType::kF32);
 
 }  // namespace relgen

@@ -29,6 +29,10 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
   if (!cpu::ParseWeightType(o.weights_dtype, &weights)) {
     return absl::InvalidArgumentError(absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed f32, bf16, int8"));
   }
+  cpu::KvType kv_type;
+  if (!cpu::ParseKvType(o.kv_cache_dtype, &kv_type)) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype ", o.kv_cache_dtype, ": allowed f32, bf16"));
+  }
 #if RELGEN_WITH_CUDA
   if (device == "auto") device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
   if (device == "cuda") {
@@ -40,6 +44,11 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
       return absl::InvalidArgumentError(absl::StrCat("--weights_dtype ", o.weights_dtype,
                                                      ": the CUDA backend stores f32 weights only; use "
                                                      "--weights_dtype f32, or --device cpu"));
+    }
+    if (kv_type != cpu::KvType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype ", o.kv_cache_dtype,
+                                                     ": the CUDA backend keeps an f32 K/V cache only; use "
+                                                     "--kv_cache_dtype f32, or --device cpu"));
     }
     CudaOptions co;
     co.device = index;
@@ -69,9 +78,9 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     return absl::UnavailableError("--device cuda: this build has no CUDA backend (built where nvcc was not found)");
   }
 #endif
-  auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size);
+  auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size, kv_type);
   if (!blocks.ok()) return blocks.status();
-  return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads, weights);
+  return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads, weights, kv_type);
 }
 
 }  // namespace relgen

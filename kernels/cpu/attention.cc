@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "kernels/cpu/bf16.h"
+
 namespace relgen::cpu {
 
 #define RELGEN_DECLARE_ATTENTION(isa)                                                              \
@@ -58,14 +60,38 @@ const AttentionKernels& AttentionKernelsFor(AttentionIsa isa) {
   return isa == AttentionIsa::kAvx2 ? kAvx2 : kBase;
 }
 
+const char* KvTypeName(KvType t) { return t == KvType::kBf16 ? "bf16" : "f32"; }
+
+bool ParseKvType(const std::string& name, KvType* t) {
+  for (KvType c : {KvType::kF32, KvType::kBf16}) {
+    if (name == KvTypeName(c)) {
+      *t = c;
+      return true;
+    }
+  }
+  return false;
+}
+
+int KvTypeBytes(KvType t) { return t == KvType::kBf16 ? 2 : 4; }
+
 void WriteKv(const KvView& kv, const float* k, const float* v, int start, int n) {
   const int hd = kv.head_dim;
   const int width = kv.n_heads * hd;
   for (int t = 0; t < n; ++t) {
     for (int h = 0; h < kv.n_heads; ++h) {
       const int64_t src = static_cast<int64_t>(t) * width + h * hd;
-      std::memcpy(kv.KeyRow(h, start + t), k + src, hd * sizeof(float));
-      std::memcpy(kv.ValueRow(h, start + t), v + src, hd * sizeof(float));
+      const int64_t dst = kv.RowOffset(h, start + t);
+      if (kv.type == KvType::kBf16) {
+        uint16_t* kd = static_cast<uint16_t*>(kv.k) + dst;
+        uint16_t* vd = static_cast<uint16_t*>(kv.v) + dst;
+        for (int d = 0; d < hd; ++d) {
+          kd[d] = ToBf16(k[src + d]);
+          vd[d] = ToBf16(v[src + d]);
+        }
+      } else {
+        std::memcpy(static_cast<float*>(kv.k) + dst, k + src, hd * sizeof(float));
+        std::memcpy(static_cast<float*>(kv.v) + dst, v + src, hd * sizeof(float));
+      }
     }
   }
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/relpos.h"
@@ -35,22 +36,31 @@ struct RelativeParams {
   bool scale_with_qk = true;
 };
 
-// One layer's keys and values, paged: pool [num_blocks, n_heads, block_size, head_dim] and a block
-// table mapping a sequence's logical block to a pool block. A contiguous cache is one block.
+// How the K/V cache stores an element. bf16 halves the cache's bytes (and what a decode step
+// reads of it): K and V are rounded to nearest even when written and widened exactly when read;
+// the arithmetic stays float32, so every row still takes one fixed sequence of operations.
+enum class KvType { kF32, kBf16 };
+const char* KvTypeName(KvType t);  // "f32", "bf16"
+bool ParseKvType(const std::string& name, KvType* t);
+int KvTypeBytes(KvType t);
+
+// One layer's keys and values, paged: pool [num_blocks, n_heads, block_size, head_dim] of `type`
+// elements (float, or uint16_t bf16 bits) and a block table mapping a sequence's logical block to
+// a pool block. A contiguous cache is one block.
 struct KvView {
-  float* k = nullptr;
-  float* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
   const int32_t* block_table = nullptr;
   int block_size = 0;
   int n_heads = 0;
   int head_dim = 0;
+  KvType type = KvType::kF32;
 
+  // In elements.
   int64_t RowOffset(int head, int pos) const {
     const int64_t block = block_table[pos / block_size];
     return ((block * n_heads + head) * block_size + pos % block_size) * head_dim;
   }
-  float* KeyRow(int head, int pos) const { return k + RowOffset(head, pos); }
-  float* ValueRow(int head, int pos) const { return v + RowOffset(head, pos); }
 };
 
 struct AttentionDims {
@@ -59,7 +69,7 @@ struct AttentionDims {
   float scale = 0.0f;  // multiplies QK^T (usually 1/sqrt(head_dim))
 };
 
-// Stores k, v [n, n_heads*head_dim] at positions start..start+n-1.
+// Stores k, v [n, n_heads*head_dim] at positions start..start+n-1 (rounded to kv.type).
 void WriteKv(const KvView& kv, const float* k, const float* v, int start, int n);
 
 // Queries q [n, n_heads*head_dim] at positions start..start+n-1 (n >= 1, any start) attend to the

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/relpos.h"
 
@@ -30,17 +31,23 @@ constexpr int kQueryTile = 128;
 // chunk or a decode step, so a sequence's results do not depend on how it was chunked or what it
 // was batched with (the dense layers rely on GEMM rows being independent of the row count).
 
+// A cached element as float: bf16 widens exactly.
+inline float Wide(float x) { return x; }
+inline float Wide(uint16_t h) { return FromBf16(h); }
+
 // The K or V rows of one head at positions pos, pos+1, ...: one block-table lookup (and one
 // division) per block instead of per row; a head's rows are contiguous inside a block.
+template <typename T>
 class RowCursor {
  public:
-  RowCursor(const KvView& kv, const float* pool, int head, int pos) : kv_(kv), pool_(pool), head_(head), pos_(pos) {}
-  const float* Next() {
+  RowCursor(const KvView& kv, const void* pool, int head, int pos)
+      : kv_(kv), pool_(static_cast<const T*>(pool)), head_(head), pos_(pos) {}
+  const T* Next() {
     if (left_ == 0) {
       row_ = pool_ + kv_.RowOffset(head_, pos_);
       left_ = kv_.block_size - pos_ % kv_.block_size;
     }
-    const float* r = row_;
+    const T* r = row_;
     row_ += kv_.head_dim;
     --left_;
     ++pos_;
@@ -49,20 +56,21 @@ class RowCursor {
 
  private:
   const KvView& kv_;
-  const float* pool_;
+  const T* pool_;
   int head_, pos_;
   int left_ = 0;
-  const float* row_ = nullptr;
+  const T* row_ = nullptr;
 };
 
 // out[d] = sum over j in order of w[j] * V[ks + j][d] (from zero): one chain per element.
+template <typename T>
 inline void WeightedSumAnySize(const float* w, int n, const KvView& kv, int head, int ks, int hd, float* out) {
   std::fill(out, out + hd, 0.0f);
-  RowCursor rows(kv, kv.v, head, ks);
+  RowCursor<T> rows(kv, kv.v, head, ks);
   for (int j = 0; j < n; ++j) {
     const float wj = w[j];
-    const float* v = rows.Next();
-    for (int d = 0; d < hd; ++d) out[d] += wj * v[d];
+    const T* v = rows.Next();
+    for (int d = 0; d < hd; ++d) out[d] += wj * Wide(v[d]);
   }
 }
 
@@ -75,23 +83,30 @@ __attribute__((always_inline)) inline V8 Load8(const float* p) {
   return *reinterpret_cast<const V8*>(p);
 }
 
+// Eight bf16 values widened: zero-extend to 32 bits, shift into the high half.
+__attribute__((always_inline)) inline V8 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<V8>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+}
+
 __attribute__((always_inline)) inline float Reduce8(V8 c) {
   return ((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7]));
 }
 
 // Dot product accumulated in 8 lanes, reduced in a fixed order.
-__attribute__((always_inline)) inline float Dot(const float* a, const float* b, int n) {
+template <typename T>
+__attribute__((always_inline)) inline float Dot(const float* a, const T* b, int n) {
   V8 acc = {};
   int i = 0;
   for (; i + 8 <= n; i += 8) acc += Load8(a + i) * Load8(b + i);
-  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * Wide(b[i]);
   return Reduce8(acc);
 }
 
 // Dot(a, b[x], n) for four vectors at once: each result is Dot's arithmetic exactly, but the four
 // independent chains keep the multiply-add units busy where one chain waits on its own latency.
-__attribute__((always_inline)) inline void Dot4(const float* a, const float* const b[4], int n,
-                                                float* out) {
+template <typename T>
+__attribute__((always_inline)) inline void Dot4(const float* a, const T* const b[4], int n, float* out) {
   V8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
   int i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -102,10 +117,10 @@ __attribute__((always_inline)) inline void Dot4(const float* a, const float* con
     acc3 += x * Load8(b[3] + i);
   }
   for (int l = 0; i < n; ++i, ++l) {
-    acc0[l] += a[i] * b[0][i];
-    acc1[l] += a[i] * b[1][i];
-    acc2[l] += a[i] * b[2][i];
-    acc3[l] += a[i] * b[3][i];
+    acc0[l] += a[i] * Wide(b[0][i]);
+    acc1[l] += a[i] * Wide(b[1][i]);
+    acc2[l] += a[i] * Wide(b[2][i]);
+    acc3[l] += a[i] * Wide(b[3][i]);
   }
   // Reduce8 of each, four at a time: the halves added lane by lane give (c0+c4, c1+c5, c2+c6,
   // c3+c7); two rounds of pairwise adds then give ((c0+c4)+(c1+c5)) + ((c2+c6)+(c3+c7)), the same
@@ -120,13 +135,13 @@ __attribute__((always_inline)) inline void Dot4(const float* a, const float* con
 }
 
 // WeightedSumAnySize with the accumulators in registers, for the common head sizes.
-template <int HD>
+template <int HD, typename T>
 __attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int n, const KvView& kv,
                                                             int head, int ks, float* out) {
   V8 acc[HD / 8] = {};
-  RowCursor rows(kv, kv.v, head, ks);
+  RowCursor<T> rows(kv, kv.v, head, ks);
   for (int j = 0; j < n; ++j) {
-    const float* v = rows.Next();
+    const T* v = rows.Next();
     const V8 wj = V8{} + w[j];
     for (int c = 0; c < HD / 8; ++c) acc[c] += wj * Load8(v + 8 * c);
   }
@@ -135,48 +150,65 @@ __attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int 
   }
 }
 
+template <typename T>
 inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
                         float* out) {
-  if (hd == 64) return WeightedSumFixed<64>(w, n, kv, head, ks, out);
-  if (hd == 32) return WeightedSumFixed<32>(w, n, kv, head, ks, out);
-  WeightedSumAnySize(w, n, kv, head, ks, hd, out);
+  if (hd == 64) return WeightedSumFixed<64, T>(w, n, kv, head, ks, out);
+  if (hd == 32) return WeightedSumFixed<32, T>(w, n, kv, head, ks, out);
+  WeightedSumAnySize<T>(w, n, kv, head, ks, hd, out);
 }
 
 #else
 // Dot product accumulated in 8 lanes, reduced in a fixed order (the compiler vectorizes the lanes).
-inline float Dot(const float* a, const float* b, int n) {
+template <typename T>
+inline float Dot(const float* a, const T* b, int n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * Wide(b[i + l]);
   }
-  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * Wide(b[i]);
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-inline void Dot4(const float* a, const float* const b[4], int n, float* out) {
+template <typename T>
+inline void Dot4(const float* a, const T* const b[4], int n, float* out) {
   for (int x = 0; x < 4; ++x) out[x] = Dot(a, b[x], n);
 }
 
+template <typename T>
 inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
                         float* out) {
-  WeightedSumAnySize(w, n, kv, head, ks, hd, out);
+  WeightedSumAnySize<T>(w, n, kv, head, ks, hd, out);
 }
 #endif
 
 // p[j] = scale * q.K[ks + j] for j < n.
-inline void Scores(const float* q, const KvView& kv, int head, int ks, int n, float scale, int hd,
-                   float* p) {
-  RowCursor rows(kv, kv.k, head, ks);
+template <typename T>
+inline void ScoresOf(const float* q, const KvView& kv, int head, int ks, int n, float scale, int hd,
+                     float* p) {
+  RowCursor<T> rows(kv, kv.k, head, ks);
   int j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* keys[4];
-    for (const float*& k : keys) k = rows.Next();
+    const T* keys[4];
+    for (const T*& k : keys) k = rows.Next();
     float d4[4];
     Dot4(q, keys, hd, d4);
     for (int x = 0; x < 4; ++x) p[j + x] = scale * d4[x];
   }
   for (; j < n; ++j) p[j] = scale * Dot(q, rows.Next(), hd);
+}
+
+// The two reads of the cache, for its element type.
+inline void Scores(const float* q, const KvView& kv, int head, int ks, int n, float scale, int hd,
+                   float* p) {
+  if (kv.type == KvType::kBf16) return ScoresOf<uint16_t>(q, kv, head, ks, n, scale, hd, p);
+  ScoresOf<float>(q, kv, head, ks, n, scale, hd, p);
+}
+
+inline void Values(const float* w, int n, const KvView& kv, int head, int ks, int hd, float* out) {
+  if (kv.type == KvType::kBf16) return WeightedSum<uint16_t>(w, n, kv, head, ks, hd, out);
+  WeightedSum<float>(w, n, kv, head, ks, hd, out);
 }
 
 struct Scratch {
@@ -233,7 +265,7 @@ void AttendRow(const AttentionDims& dims, const RelativeParams& rel, const KvVie
       break;
   }
   SoftmaxRows(p, 1, lk, lk);
-  WeightedSum(p, lk, kv, head, ks, hd, out);
+  Values(p, lk, kv, head, ks, hd, out);
   if (rel.scheme == relpos::Scheme::kShaw && rel.table_v != nullptr) {
     // sum_j w_j R^V[row(j)] = sum over rows of (weights summed per row) * R^V[row].
     const int k = rel.clip_k;
@@ -384,7 +416,7 @@ void AttentionBidirectional(const AttentionDims& dims, const RelativeParams& rel
       }
       SoftmaxRows(p, 1, n, n);
       float* o = out + int64_t{i} * width + h * hd;
-      WeightedSum(p, n, kv, h, 0, hd, o);
+      Values(p, n, kv, h, 0, hd, o);
     }
   }
 }

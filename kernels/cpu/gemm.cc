@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/cpu/bf16.h"
+
 namespace relgen::cpu {
 namespace {
 
@@ -250,19 +252,6 @@ int WeightTypeBytes(WeightType t) {
   }
   return 4;
 }
-
-namespace {
-
-// Round to nearest even; a NaN stays a (quiet) NaN.
-uint16_t ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-}  // namespace
 
 PackedMatrix::PackedMatrix(const float* w, int n, int k, WeightType type) : n_(n), k_(k), type_(type) {
   const int eb = WeightTypeBytes(type);

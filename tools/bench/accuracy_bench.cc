@@ -60,9 +60,15 @@ struct Run {
   std::vector<int32_t> table;
 };
 
-Run Make(const std::shared_ptr<const Model>& model, cpu::WeightType w, int tokens, int threads) {
+struct Precision {
+  cpu::WeightType weights;
+  cpu::KvType kv;
+  std::string Name() const { return std::string(cpu::WeightTypeName(weights)) + " / " + cpu::KvTypeName(kv); }
+};
+
+Run Make(const std::shared_ptr<const Model>& model, Precision p, int tokens, int threads) {
   const int bs = 16, blocks = (tokens + bs - 1) / bs;
-  Run r{*NewCpuBackend(model, KvCacheConfig{bs, blocks}, threads, w), {}};
+  Run r{*NewCpuBackend(model, KvCacheConfig{bs, blocks}, threads, p.weights, p.kv), {}};
   for (int i = 0; i < blocks; ++i) r.table.push_back(i);
   return r;
 }
@@ -130,12 +136,14 @@ int RunAccuracyBench(const AccuracyOptions& o) {
   std::printf("model %s; held-out fortunes: %zu tokens, %d windows of %d scored\n", o.model.c_str(), held.size(),
               windows, o.window);
 
-  std::vector<cpu::WeightType> kinds = {cpu::WeightType::kF32};
+  std::vector<Precision> kinds = {{cpu::WeightType::kF32, cpu::KvType::kF32}};
   for (cpu::WeightType w : o.weights) {
-    if (w != cpu::WeightType::kF32) kinds.push_back(w);
+    for (cpu::KvType kv : o.kv_types) {
+      if (w != cpu::WeightType::kF32 || kv != cpu::KvType::kF32) kinds.push_back({w, kv});
+    }
   }
   std::vector<Run> runs;
-  for (cpu::WeightType w : kinds) runs.push_back(Make(model, w, span, o.threads));
+  for (const Precision& p : kinds) runs.push_back(Make(model, p, span, o.threads));
 
   // Held-out windows: bits per byte of each precision, and each one's logits against f32's.
   const size_t k = kinds.size();
@@ -177,7 +185,7 @@ int RunAccuracyBench(const AccuracyOptions& o) {
   const std::vector<int32_t> f32_input(f32_text.begin(), f32_text.end() - 1);
   json rows = json::array();
   const double scored = double(windows) * o.window;
-  std::printf("\n%-7s | %-9s | %-30s | %-22s | %-24s | %-20s\n", "weights", "bits/byte", "max |logit - f32|",
+  std::printf("\n%-12s | %-9s | %-30s | %-22s | %-24s | %-20s\n", "weights / KV", "bits/byte", "max |logit - f32|",
               "held-out top-1 = f32", "greedy: first divergence", "greedy, teacher-forced");
   for (size_t i = 0; i < k; ++i) {
     const std::vector<int32_t> text = i == 0 ? f32_text : Greedy(runs[i], {c.bos_token_id}, o.greedy_tokens, vocab);
@@ -194,11 +202,11 @@ int RunAccuracyBench(const AccuracyOptions& o) {
     const double bpb = nll[i] / scored / std::log(2.0);
     char err[64];
     std::snprintf(err, sizeof err, "%.2e (%.2e of range)", max_err[i], max_rel[i]);
-    std::printf("%-7s | %-9.5f | %-30s | %-22s | %-24s | %d of %d\n", cpu::WeightTypeName(kinds[i]), bpb, err,
+    std::printf("%-12s | %-9.5f | %-30s | %-22s | %-24s | %d of %d\n", kinds[i].Name().c_str(), bpb, err,
                 (std::to_string(int64_t(top1[i])) + " of " + std::to_string(int64_t(scored))).c_str(),
                 first == o.greedy_tokens ? "none" : ("token " + std::to_string(first)).c_str(), agree,
                 o.greedy_tokens);
-    rows.push_back({{"weights", cpu::WeightTypeName(kinds[i])}, {"bits_per_byte", bpb}, {"max_abs_logit_error", max_err[i]},
+    rows.push_back({{"weights", cpu::WeightTypeName(kinds[i].weights)}, {"kv_cache", cpu::KvTypeName(kinds[i].kv)}, {"bits_per_byte", bpb}, {"max_abs_logit_error", max_err[i]},
                     {"max_logit_error_of_range", max_rel[i]}, {"held_out_top1_agreement", top1[i] / scored},
                     {"greedy_first_divergence", first == o.greedy_tokens ? json(nullptr) : json(first)},
                     {"greedy_teacher_forced_agreement", agree}, {"greedy_tokens", o.greedy_tokens}});

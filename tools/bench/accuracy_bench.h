@@ -1,17 +1,21 @@
-// relgen-bench accuracy: what storing the dense weights in bf16 or int8 costs against float32, on
-// the same model: logit error, greedy agreement, and bits per byte on held-out fortunes.
+// relgen-bench accuracy: what storing the dense weights in bf16 or int8, and the K/V cache in bf16,
+// costs against float32 on the same model: logit error, greedy agreement, and bits per byte on
+// held-out fortunes.
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/gemm.h"
 
 namespace relgen::bench {
 
 struct AccuracyOptions {
   std::string model;
-  std::vector<cpu::WeightType> weights = {cpu::WeightType::kBf16, cpu::WeightType::kInt8};
+  // Every combination of these is compared with f32 weights and an f32 cache.
+  std::vector<cpu::WeightType> weights = {cpu::WeightType::kF32, cpu::WeightType::kBf16, cpu::WeightType::kInt8};
+  std::vector<cpu::KvType> kv_types = {cpu::KvType::kF32, cpu::KvType::kBf16};
   std::string fortunes = "/usr/share/games/fortunes";  // held out: every 20th fortune, as tools/train.py
   int window = 256;      // tokens per held-out window (as tools/train.py scores them)
   int max_windows = 0;   // 0: all of the held-out text

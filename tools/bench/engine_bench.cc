@@ -87,10 +87,10 @@ struct Result {
 };
 
 Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
-                 cpu::WeightType weights) {
+                 cpu::WeightType weights, cpu::KvType kv_type) {
   const int bs = 16;
   const int per_seq = BlocksForTokens(context + steps + 1, bs);
-  auto backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights);
+  auto backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights, kv_type);
   std::vector<std::vector<int32_t>> tables(batch);
   for (int b = 0; b < batch; ++b) {
     for (int i = 0; i < per_seq; ++i) tables[b].push_back(b * per_seq + i);
@@ -218,9 +218,9 @@ int RunEngineBench(const EngineBenchOptions& o) {
   const int64_t dense_params = (*model)->num_parameters() - int64_t{cfg.vocab_size} * cfg.d_model * (cfg.tie_embeddings ? 0 : 1);
   // Nearly every parameter sits in a dense layer or the LM head, stored as --weights_dtype.
   const double weight_bytes = double((*model)->num_parameters()) * cpu::WeightTypeBytes(o.weights);
-  std::printf("model %s: %s, d_model %d, %d layers, %d heads, ffn %d, %.1fM parameters (%s weights, %.0f MB)\n",
+  std::printf("model %s: %s, d_model %d, %d layers, %d heads, ffn %d, %.1fM parameters (%s weights, %.0f MB; %s K/V)\n",
               cfg.name.c_str(), std::string(SchemeName(cfg.rel.scheme)).c_str(), cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_dim,
-              (*model)->num_parameters() / 1e6, cpu::WeightTypeName(o.weights), weight_bytes / 1e6);
+              (*model)->num_parameters() / 1e6, cpu::WeightTypeName(o.weights), weight_bytes / 1e6, cpu::KvTypeName(o.kv_type));
   const bool peer = o.peer != "none";
   const std::string peer_name = o.peer == "torch" ? "torch" : "ct2 " + o.peer_compute_type;
   if (peer) std::printf("peer: %s\n", PeerCommand(o, 1, o.contexts[0], threads).c_str());
@@ -237,7 +237,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::printf("repetition %d of %d\n", rep + 1, o.reps);
     std::fflush(stdout);
     for (Cell& c : cells) {
-      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights);
+      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type);
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
@@ -271,7 +271,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
   json rows = json::array();
   for (const Cell& c : cells) {
     const double decode_tps = Median(c.dec);
-    const double kv_bytes = double(c.batch) * c.context * cfg.n_layers * 2.0 * cfg.qkv_width() * sizeof(float);
+    const double kv_bytes = double(c.batch) * c.context * cfg.n_layers * 2.0 * cfg.qkv_width() * cpu::KvTypeBytes(o.kv_type);
     const double step_flops = 2.0 * c.batch * dense_params + 4.0 * c.batch * c.context * cfg.n_layers * cfg.qkv_width();
     const double bw = bandwidth_for(weight_bytes + kv_bytes);
     const double roof_s = std::max((weight_bytes + kv_bytes) / bw, step_flops / flops);
@@ -295,6 +295,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
                                        {"gemm_flops", gemm_flops}, {"roofline_flops", flops},
                                        {"roofline_source", o.machine.empty() ? "own probes" : o.machine}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
                                        {"weights_dtype", cpu::WeightTypeName(o.weights)},
+                                       {"kv_cache_dtype", cpu::KvTypeName(o.kv_type)},
                                        {"repetitions", o.reps}, {"results", rows}}).dump(2);
   }
   std::printf("\nroofline: decode step time if bound only by reading weights + this batch's K/V at the read\n"

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/gemm.h"
 
 namespace relgen::bench {
@@ -23,6 +24,7 @@ struct EngineBenchOptions {
   int reps = 3;
   std::string json_out;
   cpu::WeightType weights = cpu::WeightType::kF32;  // relgen's dense weights
+  cpu::KvType kv_type = cpu::KvType::kF32;          // relgen's K/V cache
   // A `relgen-bench machine --json` file: the roofline's bounds, measured apart from this run.
   // Empty: this run's own probes (then the roofline is not independent of the run).
   std::string machine;

@@ -28,13 +28,14 @@ int Usage() {
                "       relgen-bench engine --model DIR [--batches 1,16] [--contexts 512] [--steps 16] [--threads 0]\n"
                "                           [--reps 3] [--peer ct2|torch|none] [--peer_python PATH]\n"
                "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
-               "                           [--weights_dtype f32|bf16|int8] [--machine FILE]\n"
+               "                           [--weights_dtype f32|bf16|int8] [--kv_cache_dtype f32|bf16] [--machine FILE]\n"
                "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
                "                          [--json FILE] [--png FILE]\n"
-               "       relgen-bench accuracy --model DIR [--weights_dtype bf16,int8] [--fortunes DIR] [--window 256]\n"
+               "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,int8] [--kv_cache_dtype f32,bf16]\n"
+               "                             [--fortunes DIR] [--window 256]\n"
                "                             [--max_windows 0] [--greedy_tokens 1000] [--threads 0] [--json FILE]\n");
   return 64;
 }
@@ -111,6 +112,7 @@ int main(int argc, char** argv) {
       else if (f == "--reps") ok = absl::SimpleAtoi(v, &o.reps) && o.reps > 0;
       else if (f == "--json") o.json_out = v;
       else if (f == "--weights_dtype") ok = relgen::cpu::ParseWeightType(v, &o.weights);
+      else if (f == "--kv_cache_dtype") ok = relgen::cpu::ParseKvType(v, &o.kv_type);
       else if (f == "--machine") o.machine = v;
       else ok = false;
       if (!ok) return Usage();
@@ -141,6 +143,13 @@ int main(int argc, char** argv) {
           relgen::cpu::WeightType t;
           ok = ok && relgen::cpu::ParseWeightType(std::string(part), &t);
           o.weights.push_back(t);
+        }
+      } else if (f == "--kv_cache_dtype") {
+        o.kv_types.clear();
+        for (absl::string_view part : absl::StrSplit(v, ',')) {
+          relgen::cpu::KvType t;
+          ok = ok && relgen::cpu::ParseKvType(std::string(part), &t);
+          o.kv_types.push_back(t);
         }
       } else if (f == "--fortunes") o.fortunes = v;
       else if (f == "--window") ok = absl::SimpleAtoi(v, &o.window) && o.window > 0;
