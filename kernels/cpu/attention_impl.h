@@ -26,6 +26,8 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query rows per prefill tile: bounds the scratch to O(tile * keys) per call.
 constexpr int kQueryTile = 128;
+// Query rows from which a prefill tile widens bf16 K/V into float32 once for all its rows.
+constexpr int kWidenTileRows = 4;
 
 // Every query row is computed by the same arithmetic whether it arrives in a prefill tile, a
 // chunk or a decode step, so a sequence's results do not depend on how it was chunked or what it
@@ -212,7 +214,7 @@ inline void Values(const float* w, int n, const KvView& kv, int head, int ks, in
 }
 
 struct Scratch {
-  std::vector<float> rel, row, weights;
+  std::vector<float> rel, row, weights, k_wide, v_wide;
 };
 
 Scratch& ThreadScratch() {
@@ -231,15 +233,17 @@ const float* TableForHead(const float* table, bool share, int head, int64_t per_
 
 // One query row of one head: query at position `pos` attends to keys ks..pos. `rel_by_key[j]` is
 // the relative term for key ks+j (null: none); `shaw_products` [k+1] are q.R^K rows for Shaw.
+// The head's K/V are head `kv_head` of `kv` (-1: `head`).
 void AttendRow(const AttentionDims& dims, const RelativeParams& rel, const KvView& kv, int head,
                const float* q, int pos, int ks, const float* rel_by_key, const float* shaw_products,
-               float* out) {
+               float* out, int kv_head = -1) {
+  if (kv_head < 0) kv_head = head;
   const int hd = dims.head_dim;
   const int lk = pos - ks + 1;
   const float rel_mult = rel.scale_with_qk ? dims.scale : 1.0f;
   Scratch& s = ThreadScratch();
   float* p = Sized(s.row, lk);
-  Scores(q, kv, head, ks, lk, dims.scale, hd, p);
+  Scores(q, kv, kv_head, ks, lk, dims.scale, hd, p);
   switch (rel.scheme) {
     case relpos::Scheme::kNone:
       break;
@@ -265,7 +269,7 @@ void AttendRow(const AttentionDims& dims, const RelativeParams& rel, const KvVie
       break;
   }
   SoftmaxRows(p, 1, lk, lk);
-  Values(p, lk, kv, head, ks, hd, out);
+  Values(p, lk, kv, kv_head, ks, hd, out);
   if (rel.scheme == relpos::Scheme::kShaw && rel.table_v != nullptr) {
     // sum_j w_j R^V[row(j)] = sum over rows of (weights summed per row) * R^V[row].
     const int k = rel.clip_k;
@@ -310,13 +314,33 @@ void AttendTile(const AttentionDims& dims, const RelativeParams& rel, const KvVi
                    buf + static_cast<int64_t>(i) * (rel.clip_k + 1));
     }
   }
+  // bf16 K/V are widened once per tile rather than once per query row. Widening is exact, so each
+  // row gets the bits it gets reading the cache directly (as a decode step does).
+  KvView tile_kv = kv;
+  int kv_head = head;
+  static const int32_t kOneBlock[1] = {0};
+  if (kv.type == KvType::kBf16 && lq >= kWidenTileRows) {
+    float* kw = Sized(s.k_wide, static_cast<int64_t>(qe) * hd);
+    float* vw = Sized(s.v_wide, static_cast<int64_t>(qe) * hd);
+    RowCursor<uint16_t> kr(kv, kv.k, head, ks), vr(kv, kv.v, head, ks);
+    for (int j = ks; j < qe; ++j) {
+      const uint16_t* kj = kr.Next();
+      const uint16_t* vj = vr.Next();
+      for (int d = 0; d < hd; ++d) {
+        kw[static_cast<int64_t>(j) * hd + d] = Wide(kj[d]);
+        vw[static_cast<int64_t>(j) * hd + d] = Wide(vj[d]);
+      }
+    }
+    tile_kv = KvView{kw, vw, kOneBlock, qe, 1, hd, KvType::kF32};  // positions 0..qe-1 of one head
+    kv_head = 0;
+  }
   for (int i = 0; i < lq; ++i) {
     const float* rel_by_key = skew ? buf + lq + static_cast<int64_t>(i) * lk : nullptr;
     const float* shaw = rel.scheme == relpos::Scheme::kShaw
                             ? buf + static_cast<int64_t>(i) * (rel.clip_k + 1)
                             : nullptr;
-    AttendRow(dims, rel, kv, head, q + static_cast<int64_t>(i) * ldq, qs + i, ks, rel_by_key, shaw,
-              out + static_cast<int64_t>(i) * ldo);
+    AttendRow(dims, rel, tile_kv, head, q + static_cast<int64_t>(i) * ldq, qs + i, ks, rel_by_key, shaw,
+              out + static_cast<int64_t>(i) * ldo, kv_head);
   }
 }
 
