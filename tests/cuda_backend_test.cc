@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "engine/backends/cpu_backend.h"
 #include "engine/backends/cuda_backend.h"
@@ -673,22 +674,16 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     EXPECT_EQ((*backend)->device(), "simt-emulator:0") << device;
   }
   EXPECT_FALSE(NewBackend(model, DeviceOptions{"cuda:1", 1024}).ok());
-  DeviceOptions int8;
-  int8.device = "cuda";
-  int8.kv_cache_tokens = 1024;
-  int8.weights_dtype = "int8";
-  const auto refused = NewBackend(model, int8);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("stores f32 weights only"), absl::string_view::npos)
-      << refused.status();
-  DeviceOptions bf16_kv;
-  bf16_kv.device = "cuda";
-  bf16_kv.kv_cache_tokens = 1024;
-  bf16_kv.kv_cache_dtype = "bf16";
-  const auto kv_refused = NewBackend(model, bf16_kv);
-  EXPECT_EQ(kv_refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(kv_refused.status().message().find("keeps an f32 K/V cache only"), absl::string_view::npos)
-      << kv_refused.status();
+  // The CPU's narrow storage types are not the CUDA backend's (yet).
+  for (const auto& [field, name, message] :
+       {std::tuple{&DeviceOptions::weights_dtype, "int8", "stores f32 weights only"},
+        std::tuple{&DeviceOptions::kv_cache_dtype, "bf16", "keeps an f32 K/V cache only"}}) {
+    DeviceOptions o{"cuda", 1024};
+    o.*field = name;
+    const auto refused = NewBackend(model, o);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(refused.status().message().find(message), absl::string_view::npos) << refused.status();
+  }
 }
 
 // One forward's work as the emulator counts it: every projection is one GEMM, memory comes back.

@@ -8,6 +8,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "engine/backends/cpu_backend.h"
@@ -349,8 +350,8 @@ TEST(KvSizingTest, TokensOrMemoryFraction) {
 }
 
 // --kv_cache_dtype through NewBackend: bf16 halves the pool's bytes, so the same memory holds
-// twice the tokens; a name it does not know is refused with the allowed ones.
-TEST(DeviceKvTypeTest, Bf16HalvesTheCacheAndUnknownNamesAreRefused) {
+// twice the tokens.
+TEST(DeviceKvTypeTest, Bf16HalvesTheCache) {
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
   const ModelConfig& c = model->config();
   EXPECT_EQ(CpuKvBytesPerToken(c, cpu::KvType::kBf16), 512);  // 1024 in f32 (KvSizingTest)
@@ -367,18 +368,10 @@ TEST(DeviceKvTypeTest, Bf16HalvesTheCacheAndUnknownNamesAreRefused) {
   }
   EXPECT_EQ(bytes["f32"], 1024 * 1024);
   EXPECT_EQ(bytes["bf16"], 512 * 1024);
-  DeviceOptions bad;
-  bad.device = "cpu";
-  bad.kv_cache_tokens = 1024;
-  bad.kv_cache_dtype = "fp8";
-  const auto refused = NewBackend(model, bad);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(refused.status().message(), HasSubstr("--kv_cache_dtype fp8: allowed f32, bf16"));
 }
 
-// --weights_dtype through NewBackend: the CPU stores what was asked; a name it does not know is
-// refused with the allowed ones.
-TEST(DeviceWeightsTest, CpuStoresTheAskedTypeAndRefusesUnknownOnes) {
+// --weights_dtype through NewBackend: the CPU stores what was asked.
+TEST(DeviceWeightsTest, CpuStoresTheAskedType) {
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
   std::map<std::string, int64_t> weights;
   for (const char* t : {"f32", "bf16", "int8"}) {
@@ -394,13 +387,22 @@ TEST(DeviceWeightsTest, CpuStoresTheAskedTypeAndRefusesUnknownOnes) {
   const int64_t original = model->float_bytes();
   EXPECT_NEAR(double(weights["bf16"] - original) / (weights["f32"] - original), 0.5, 0.01);
   EXPECT_NEAR(double(weights["int8"] - original) / (weights["f32"] - original), 0.25, 0.02);
-  DeviceOptions bad;
-  bad.device = "cpu";
-  bad.kv_cache_tokens = 1024;
-  bad.weights_dtype = "fp16";
-  const auto refused = NewBackend(model, bad);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(refused.status().message(), HasSubstr("--weights_dtype fp16: allowed f32, bf16, int8"));
+}
+
+// Storage type names NewBackend does not know are refused with the allowed ones.
+TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  for (const auto& [field, name, message] :
+       {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed f32, bf16, int8"},
+        std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed f32, bf16"}}) {
+    DeviceOptions o;
+    o.device = "cpu";
+    o.kv_cache_tokens = 1024;
+    o.*field = name;
+    const auto refused = NewBackend(model, o);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(refused.status().message(), HasSubstr(message));
+  }
 }
 
 // ---- stops
