@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,8 +57,18 @@
 #include <ucontext.h>
 #endif
 
+// A captured graph: the work recorded on a stream, each node run on the stream the graph is
+// launched on.
+struct CUgraph_st {
+  std::vector<std::function<void(cudaStream_t)>> nodes;
+};
+struct CUgraphExec_st {
+  std::vector<std::function<void(cudaStream_t)>> nodes;
+};
 struct CUstream_st {
   unsigned flags = 0;
+  std::unique_ptr<CUgraph_st> capture;  // between Begin and EndCapture
+  bool capture_invalid = false;         // a refused call happened during the capture
 };
 struct cublasContext {
   cudaStream_t stream = nullptr;
@@ -89,6 +100,8 @@ struct Runtime {
   std::map<uintptr_t, const CUstream_st*> in_flight;
   std::set<const CUstream_st*> streams;
   std::set<const cublasContext*> handles;
+  std::set<const CUgraph_st*> graphs;
+  std::set<const CUgraphExec_st*> execs;
   Counters counters;
   int64_t limit = int64_t{4} << 30;
   cudaError_t sticky = cudaSuccess;
@@ -223,6 +236,36 @@ bool StreamValid(cudaStream_t s) {
   if (s == nullptr) return true;
   std::lock_guard<std::mutex> l(R().mu);
   return R().streams.count(s) > 0;
+}
+
+bool Capturing(cudaStream_t s) {
+  if (s == nullptr) return false;
+  std::lock_guard<std::mutex> l(R().mu);
+  return R().streams.count(s) > 0 && s->capture != nullptr;
+}
+
+// Records `node` into `s`'s capture. Caller has seen Capturing(s).
+void Record(cudaStream_t s, std::function<void(cudaStream_t)> node) {
+  std::lock_guard<std::mutex> l(R().mu);
+  s->capture->nodes.push_back(std::move(node));
+  ++R().counters.captured;
+}
+
+// A call CUDA does not allow on a capturing stream: refused, and the capture is invalidated.
+bool RefuseIfCapturing(cudaStream_t s) {
+  if (s == nullptr) return false;
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().streams.count(s) == 0 || s->capture == nullptr) return false;
+  s->capture_invalid = true;
+  return true;
+}
+
+// Work a graph replays is not the host's submission.
+thread_local bool replaying = false;
+void CountHostLaunch() {
+  if (replaying) return;
+  std::lock_guard<std::mutex> l(R().mu);
+  ++R().counters.host_launches;
 }
 
 std::string Dim(uint3 d) {
@@ -780,7 +823,8 @@ void Launch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s
     Fail(s);
     return;
   }
-  if (StreamValid(stream) && !CheckStreamOrder(std::string("kernel ") + name, stream, pointers, num_pointers)) {
+  if (StreamValid(stream) && !Capturing(stream) &&
+      !CheckStreamOrder(std::string("kernel ") + name, stream, pointers, num_pointers)) {
     Fail(cudaErrorLaunchFailure);
     return;
   }
@@ -815,6 +859,13 @@ void Launch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s
                       " bytes of dynamic shared memory: above 48 KiB a kernel must opt in "
                       "with cudaFuncAttributeMaxDynamicSharedMemorySize");
   }
+  if (Capturing(stream)) {
+    // Checked like a launch now; stream order, faults and the run happen at each replay.
+    Record(stream, [name, grid, block, smem, body, ptrs = std::vector<uintptr_t>(pointers, pointers + num_pointers)](
+                       cudaStream_t s) { Launch(name, grid, block, smem, s, body, ptrs.data(), ptrs.size()); });
+    return;
+  }
+  CountHostLaunch();
   {
     bool inject = false;
     {
@@ -1029,6 +1080,14 @@ const char* cudaGetErrorName(cudaError_t e) {
       return "cudaErrorIllegalInstruction";
     case cudaErrorLaunchFailure:
       return "cudaErrorLaunchFailure";
+    case cudaErrorStreamCaptureUnsupported:
+      return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated:
+      return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureUnmatched:
+      return "cudaErrorStreamCaptureUnmatched";
+    case cudaErrorIllegalState:
+      return "cudaErrorIllegalState";
   }
   return "cudaErrorUnknown";
 }
@@ -1105,6 +1164,8 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                  cudaStream_t stream) {
   SIMT_STICKY_RETURN();
   if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  // Not captured: relgen keeps copies outside its graphs (pageable host memory cannot be in one).
+  if (simt::RefuseIfCapturing(stream)) return Fail(cudaErrorStreamCaptureUnsupported);
   if (bytes == 0) return cudaSuccess;
   if (dst == nullptr || src == nullptr) return Fail(cudaErrorInvalidValue);
   const bool dst_dev = simt::InDeviceMemory(dst, bytes), src_dev = simt::InDeviceMemory(src, bytes);
@@ -1146,6 +1207,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
   SIMT_STICKY_RETURN();
   if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (simt::RefuseIfCapturing(stream)) return Fail(cudaErrorStreamCaptureUnsupported);
   if (bytes == 0) return cudaSuccess;
   if (!simt::InDeviceMemory(ptr, bytes)) return Fail(cudaErrorInvalidValue);
   std::memset(ptr, value, bytes);
@@ -1179,7 +1241,77 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   SIMT_STICKY_RETURN();
   if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (simt::RefuseIfCapturing(stream)) return Fail(cudaErrorStreamCaptureUnsupported);
   simt::Synchronized(stream, false);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+  SIMT_STICKY_RETURN();
+  if (mode < cudaStreamCaptureModeGlobal || mode > cudaStreamCaptureModeRelaxed) return Fail(cudaErrorInvalidValue);
+  if (stream == nullptr) return Fail(cudaErrorStreamCaptureUnsupported);  // the legacy stream
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().streams.count(stream) == 0) return Fail(cudaErrorInvalidResourceHandle);
+  if (stream->capture != nullptr) return Fail(cudaErrorIllegalState);
+  stream->capture = std::make_unique<CUgraph_st>();
+  stream->capture_invalid = false;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  if (graph == nullptr) return Fail(cudaErrorInvalidValue);
+  *graph = nullptr;
+  std::lock_guard<std::mutex> l(R().mu);
+  if (stream == nullptr || R().streams.count(stream) == 0) return Fail(cudaErrorInvalidResourceHandle);
+  if (stream->capture == nullptr) return Fail(cudaErrorIllegalState);
+  std::unique_ptr<CUgraph_st> g = std::move(stream->capture);
+  if (stream->capture_invalid) return Fail(cudaErrorStreamCaptureInvalidated);
+  R().graphs.insert(g.get());
+  *graph = g.release();
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags) {
+  if (exec == nullptr || flags != 0) return Fail(cudaErrorInvalidValue);
+  *exec = nullptr;
+  SIMT_STICKY_RETURN();
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().graphs.count(graph) == 0) return Fail(cudaErrorInvalidValue);
+  auto* e = new CUgraphExec_st{graph->nodes};
+  R().execs.insert(e);
+  *exec = e;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  SIMT_STICKY_RETURN();
+  if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (simt::RefuseIfCapturing(stream)) return Fail(cudaErrorStreamCaptureUnsupported);  // no child graphs
+  std::vector<std::function<void(cudaStream_t)>> nodes;
+  {
+    std::lock_guard<std::mutex> l(R().mu);
+    if (R().execs.count(exec) == 0) return Fail(cudaErrorInvalidValue);
+    nodes = exec->nodes;
+    ++R().counters.host_launches;
+    ++R().counters.graph_launches;
+  }
+  // Each node as the launch or GEMM it recorded, on this stream; a fault is sticky and ends it.
+  simt::replaying = true;
+  for (const auto& node : nodes) {
+    node(stream);
+    if (simt::Sticky() != cudaSuccess) break;
+  }
+  simt::replaying = false;
+  SIMT_STICKY_RETURN();
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().execs.erase(exec) == 0) return Fail(cudaErrorInvalidValue);
+  delete exec;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().graphs.erase(graph) == 0) return Fail(cudaErrorInvalidValue);
+  delete graph;
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
@@ -1211,6 +1343,9 @@ bool Overlap(const void* a, size_t an, const void* b, size_t bn) {
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
   return an > 0 && bn > 0 && x < y + bn && y < x + an;
 }
+cublasStatus_t Gemm(cudaStream_t stream, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float al,
+                    const float* A, int lda, long long sa, const float* B, int ldb, long long sb, float be, float* C,
+                    int ldc, long long sc, int batch);
 }  // namespace
 
 cublasStatus_t cublasCreate(cublasHandle_t* handle) {
@@ -1261,12 +1396,29 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_
   if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
   if (simt::Sticky() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+  const float al = *alpha, be = *beta;  // host pointer mode: read now, as cuBLAS does
+  const cudaStream_t stream = handle->stream;
+  if (simt::Capturing(stream)) {
+    simt::Record(stream, [=](cudaStream_t s) { Gemm(s, ta, tb, m, n, k, al, A, lda, sa, B, ldb, sb, be, C, ldc, sc, batch); });
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  simt::CountHostLaunch();
+  return Gemm(stream, ta, tb, m, n, k, al, A, lda, sa, B, ldb, sb, be, C, ldc, sc, batch);
+}
+
+namespace {
+// The reference GEMM on `stream`, arguments already checked.
+cublasStatus_t Gemm(cudaStream_t stream, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float al,
+                    const float* A, int lda, long long sa, const float* B, int ldb, long long sb, float be, float* C,
+                    int ldc, long long sc, int batch) {
+  if (simt::Sticky() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+  const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
+  const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
   const uintptr_t touched[] = {reinterpret_cast<uintptr_t>(A), reinterpret_cast<uintptr_t>(B),
                                reinterpret_cast<uintptr_t>(C)};
-  if (!simt::CheckStreamOrder("cublasSgemm", handle->stream, touched, 3)) {
+  if (!simt::CheckStreamOrder("cublasSgemm", stream, touched, 3)) {
     return CUBLAS_STATUS_EXECUTION_FAILED;
   }
-  const float al = *alpha, be = *beta;
   for (int e = 0; e < batch; ++e) {
     const float* a = A + e * sa;
     const float* b = B + e * sb;
@@ -1309,12 +1461,13 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_
       }
     }
   }
-  simt::MarkInFlight(C, handle->stream);
+  simt::MarkInFlight(C, stream);
   std::lock_guard<std::mutex> l(R().mu);
   R().counters.gemms += batch;
   R().counters.gemm_flops += int64_t{2} * m * n * k * batch;
   return CUBLAS_STATUS_SUCCESS;
 }
+}  // namespace
 
 cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m,
                            int n, int k, const float* alpha, const float* A, int lda,

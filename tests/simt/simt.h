@@ -20,7 +20,11 @@ namespace simt {
 inline constexpr const char* kDeviceName = "simt-emulator";
 
 struct Counters {
-  int64_t launches = 0;          // kernels launched (and run)
+  int64_t launches = 0;          // kernels launched (and run), a graph's once per replay
+  int64_t host_launches = 0;     // what the host submitted to a stream: kernels and GEMMs issued
+                                 // outside a capture, and graph launches (one each)
+  int64_t graph_launches = 0;    // cudaGraphLaunch calls that ran
+  int64_t captured = 0;          // kernels and GEMMs recorded into a stream capture
   int64_t launch_errors = 0;     // launches refused (configuration) or faulted
   int64_t blocks = 0;            // blocks run
   int64_t threads = 0;           // CUDA threads run

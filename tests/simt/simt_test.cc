@@ -372,6 +372,87 @@ TEST(SimtTest, StreamOrder) {
   cudaStreamDestroy(blocking);
 }
 
+// Stream capture records, runs nothing; each graph launch replays the kernels and GEMMs in order
+// on its stream (scalars as they were at capture); refused calls invalidate the capture.
+TEST(SimtTest, GraphsCaptureAndReplay) {
+  cudaStream_t work = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking), cudaSuccess);
+  cublasHandle_t h = nullptr;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasSetStream(h, work), CUBLAS_STATUS_SUCCESS);
+  float* d = Upload(std::vector<float>(32, 1.f));
+  float* a = Upload(std::vector<float>{1.f, 2.f, 3.f, 4.f});
+  float* c = Upload(std::vector<float>(4, 0.f));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  simt::ResetCounters();
+
+  ASSERT_EQ(cudaStreamBeginCapture(work, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  EXPECT_EQ(cudaStreamBeginCapture(work, cudaStreamCaptureModeThreadLocal), cudaErrorIllegalState);
+  cudaGetLastError();
+  RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, work)(d, 32);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  RELGEN_LAUNCH(DoubleKernel, 1, 2048, 0, work)(d, 32);  // refused at capture, not recorded
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  float alpha = 2.f, zero = 0.f;
+  ASSERT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &alpha, a, 2, a, 2, &zero, c, 2), CUBLAS_STATUS_SUCCESS);
+  alpha = 100.f;  // read at capture
+  RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, work)(d, 32);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(work, &graph), cudaSuccess);
+  ASSERT_NE(graph, nullptr);
+  simt::Counters n = simt::GetCounters();
+  EXPECT_EQ(n.captured, 3);
+  EXPECT_EQ(n.launches, 0);
+  EXPECT_EQ(n.gemms, 0);
+  EXPECT_EQ(n.host_launches, 0);
+  EXPECT_EQ(Download(d, 32), std::vector<float>(32, 1.f)) << "capture ran a kernel";
+
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, work), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, work), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(work), cudaSuccess);
+  EXPECT_EQ(Download(d, 32), std::vector<float>(32, 16.f));
+  // Column-major a = [[1, 3], [2, 4]]; 2 * a * a.
+  EXPECT_EQ(Download(c, 4), (std::vector<float>{14.f, 20.f, 30.f, 44.f}));
+  n = simt::GetCounters();
+  EXPECT_EQ(n.launches, 4);
+  EXPECT_EQ(n.gemms, 2);
+  EXPECT_EQ(n.host_launches, 2);
+  EXPECT_EQ(n.graph_launches, 2);
+  // Direct work counts as submitted one by one.
+  RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, work)(d, 32);
+  EXPECT_EQ(simt::GetCounters().host_launches, 3);
+
+  // A fault inside a replay is sticky and ends it.
+  simt::FaultAtLaunch(1);
+  EXPECT_EQ(cudaGraphLaunch(exec, work), cudaErrorIllegalAddress);
+  EXPECT_EQ(simt::GetCounters().gemms, 2) << "the replay went on after its fault";
+  simt::ResetDevice();
+
+  // Copies and synchronizes are refused while capturing and void the capture; so is the legacy
+  // stream, and ending a capture never begun.
+  ASSERT_EQ(cudaStreamBeginCapture(work, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const std::vector<float> host(32, 3.f);
+  EXPECT_EQ(cudaMemcpyAsync(d, host.data(), 32 * sizeof(float), cudaMemcpyHostToDevice, work),
+            cudaErrorStreamCaptureUnsupported);
+  EXPECT_EQ(cudaStreamSynchronize(work), cudaErrorStreamCaptureUnsupported);
+  cudaGraph_t voided = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(work, &voided), cudaErrorStreamCaptureInvalidated);
+  EXPECT_EQ(voided, nullptr);
+  EXPECT_EQ(cudaStreamEndCapture(work, &voided), cudaErrorIllegalState);
+  EXPECT_EQ(cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeThreadLocal), cudaErrorStreamCaptureUnsupported);
+  cudaGetLastError();
+
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  cudaGetLastError();
+  cublasDestroy(h);
+  for (float* p : {a, c, d}) cudaFree(p);
+  cudaStreamDestroy(work);
+}
+
 TEST(SimtTest, Counters) {
   simt::ResetCounters();
   int* d = Upload(std::vector<int>(8 * 64, 0));

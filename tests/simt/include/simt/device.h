@@ -100,7 +100,8 @@ struct Launcher {
     // Pointer parameters only: a struct's padding may hold stale pointers.
     std::vector<uintptr_t> pointers;
     std::apply([&pointers](const auto&... p) { (AddIfPointer(&pointers, p), ...); }, params);
-    Launch(name, grid, block, smem, stream, [&params, k] { std::apply(k, params); }, pointers.data(),
+    // The body owns its copy: a graph being captured keeps it past this call.
+    Launch(name, grid, block, smem, stream, [params, k] { std::apply(k, params); }, pointers.data(),
            pointers.size());
   }
 };
