@@ -521,6 +521,60 @@ TEST(CudaKernelsTest, WriteKvMatchesTheCpuPoolLayout) {
   for (void* d : {static_cast<void*>(p.k), static_cast<void*>(p.v)}) cudaFree(d);
 }
 
+// Attention's grid spanning more key splits than the rows need (as a captured decode graph's, sized
+// for max_seq_len) gives the same bits: split boundaries do not depend on the count, and an empty
+// split merges as nothing. Decode rows before, at and past the 512-key split, ALiBi's bias on.
+TEST(CudaKernelsTest, AttentionGridSpanLeavesTheBits) {
+  REQUIRE_GPU();
+  const int heads = 2, hd = 16, width = heads * hd, bs = 16, nblocks = 40, span = 2048;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  const size_t pool = size_t{nblocks} * heads * bs * hd;
+  std::vector<float> k(pool), v(pool);
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  std::vector<int32_t> table(nblocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  const std::vector<int32_t> position = {600, 100, 511, 512}, offset(position.size(), 0);
+  const int n = static_cast<int>(position.size());
+  std::vector<float> q(size_t{n} * width);
+  for (float& x : q) x = nd(rng);
+  cuda::Relative rel;
+  rel.scheme = relpos::Scheme::kAlibi;
+  rel.alibi_slopes = Upload(std::vector<float>{0.25f, 0.0625f});
+  const cuda::KvPool kv{Upload(k), Upload(v), bs, heads, hd};
+  float* work = Upload(std::vector<float>(cuda::AttentionWorkspace(n, heads, hd, span, 512), 0.f));
+  float* dq = Upload(q);
+  // Each row alone with the fewest splits it needs, then all rows in a grid spanning `span` keys.
+  std::vector<float> tight(q.size()), wide(q.size());
+  for (int r = 0; r < n; ++r) {
+    cuda::Rows rows{1, Upload(std::vector<int32_t>{position[r]}), Upload(std::vector<int32_t>{0}), Upload(table)};
+    float* out = Upload(std::vector<float>(width, NAN));
+    ASSERT_EQ(cuda::Attention(dq + r * width, rows, position[r] + 1, 0.25f, rel, kv, out, work, 512, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(tight.data() + r * width, out, width * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (const void* p : {static_cast<const void*>(rows.position), static_cast<const void*>(rows.table_offset),
+                          static_cast<const void*>(rows.block_tables), static_cast<const void*>(out)}) {
+      cudaFree(const_cast<void*>(p));
+    }
+  }
+  cuda::Rows rows{n, Upload(position), Upload(offset), Upload(table)};
+  float* out = Upload(std::vector<float>(q.size(), NAN));
+  ASSERT_EQ(cuda::Attention(dq, rows, span, 0.25f, rel, kv, out, work, 512, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(wide.data(), out, wide.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t i = 0; i < q.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(tight[i])) << i;
+    ASSERT_EQ(std::memcmp(&tight[i], &wide[i], sizeof(float)), 0) << "row " << i / width << " element " << i % width;
+  }
+  for (const void* p : {static_cast<const void*>(rows.position), static_cast<const void*>(rows.table_offset),
+                        static_cast<const void*>(rows.block_tables), static_cast<const void*>(out),
+                        static_cast<const void*>(kv.k), static_cast<const void*>(kv.v), static_cast<const void*>(work),
+                        static_cast<const void*>(dq), static_cast<const void*>(rel.alibi_slopes)}) {
+    cudaFree(const_cast<void*>(p));
+  }
+}
+
 // The encoder's bidirectional attention against cpu::AttentionBidirectional: inputs of several
 // lengths packed in one launch (each row sees only its own input, before and after it), their K/V
 // read in place as the backend lays them ([rows, width] as a pool of one-token blocks), T5's signed
@@ -710,6 +764,67 @@ TEST(CudaEmulatorTest, CountsWork) {
     EXPECT_EQ(n.launch_errors, 0);
   }
   EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
+}
+
+// A decode step (one token per sequence) is one graph launch, captured once per batch size and
+// replayed at any context length (its attention grids span max_seq_len; that this leaves the bits
+// alone is AttentionGridSpanLeavesTheBits): the same logits bit for bit as the step launched kernel
+// by kernel, batch sizes changing back and forth. The CPU-side parity of these steps is
+// CudaParityTest's and CudaEngineTest's (decode runs through the graphs by default).
+TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/server");
+  const ModelConfig& c = model->config();
+  ASSERT_GT(c.max_seq_len, 1024);
+  CudaOptions on;
+  on.num_blocks = 80;
+  CudaOptions off = on;
+  off.graphs = false;
+  auto graphed = NewCudaBackend(model, on);
+  auto direct = NewCudaBackend(model, off);
+  ASSERT_TRUE(graphed.ok() && direct.ok()) << graphed.status() << direct.status();
+  std::mt19937 rng(7);
+  std::vector<int32_t> a(40), b(9);
+  for (auto& t : a) t = static_cast<int32_t>(rng() % c.vocab_size);
+  for (auto& t : b) t = static_cast<int32_t>(rng() % c.vocab_size);
+  std::vector<int32_t> table_a(4), table_b(2);
+  std::iota(table_a.begin(), table_a.end(), 0);
+  std::iota(table_b.begin(), table_b.end(), 60);
+  int len_a = 0, len_b = 0;
+  // Runs `steps` on both backends; the logits must agree bitwise.
+  auto both = [&](std::vector<SequenceStep> steps, simt::Counters* graphed_counts, simt::Counters* direct_counts) {
+    std::vector<float> x, y;
+    simt::ResetCounters();
+    ASSERT_TRUE((*graphed)->Forward(steps, &x).ok());
+    *graphed_counts = simt::GetCounters();
+    simt::ResetCounters();
+    ASSERT_TRUE((*direct)->Forward(steps, &y).ok());
+    *direct_counts = simt::GetCounters();
+    ASSERT_EQ(x.size(), y.size());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << "graph replay changed the logits";
+  };
+  simt::Counters g, d;
+  both({SequenceStep{absl::MakeConstSpan(a).subspan(0, a.size() - 12), 0, table_a, false},
+        SequenceStep{absl::MakeConstSpan(b).subspan(0, 4), 0, table_b, false}},
+       &g, &d);
+  EXPECT_EQ(g.graph_launches, 0) << "a prefill step is not a decode step";
+  len_a = static_cast<int>(a.size()) - 12;
+  len_b = 4;
+  // (batch of two) x 3, (A alone) x 4, (two) x 2.
+  const std::vector<int> batches = {2, 2, 2, 1, 1, 1, 1, 2, 2};
+  for (size_t i = 0; i < batches.size(); ++i) {
+    std::vector<SequenceStep> steps = {SequenceStep{absl::MakeConstSpan(a).subspan(len_a, 1), len_a, table_a, false}};
+    if (batches[i] == 2) steps.push_back(SequenceStep{absl::MakeConstSpan(b).subspan(len_b, 1), len_b, table_b, false});
+    both(steps, &g, &d);
+    EXPECT_EQ(g.host_launches, 1) << "step " << i;
+    EXPECT_EQ(g.graph_launches, 1) << "step " << i;
+    const bool first_of_size = i == 0 || i == 3;
+    EXPECT_EQ(g.captured > 0, first_of_size) << "step " << i << ": a graph is captured once per batch size";
+    EXPECT_EQ(g.gemms, d.gemms);
+    EXPECT_GT(d.host_launches, 30) << "launched kernel by kernel, a step is " << d.host_launches << " launches";
+    EXPECT_EQ(g.launch_errors + d.launch_errors, 0);
+    ++len_a;
+    if (batches[i] == 2) ++len_b;
+  }
 }
 
 // An encoder-decoder forward as the emulator counts it: the step that encodes an input runs the

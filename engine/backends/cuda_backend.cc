@@ -78,6 +78,7 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
+    DropGraphs();
     for (auto& [name, p] : weights_) cudaFree(p);
     for (float* p : k_pools_) cudaFree(p);
     for (float* p : v_pools_) cudaFree(p);
@@ -203,6 +204,23 @@ class CudaBackend final : public Backend {
 
  private:
   absl::Status RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits);
+  // A step's rows on the device (metadata uploaded) and the key counts its attention grids span.
+  struct StepRows {
+    int total = 0, kept = 0, max_keys = 1, max_input = 1;
+    const int32_t* tokens = nullptr;
+    const int32_t* keep = nullptr;
+    cuda::Rows rows, cross_rows;
+  };
+  // The decoder's work for `s`, from the embedding to the logits in logits_d_, enqueued on stream_.
+  // Reads nothing from the host but `s` and the weights, so a capture of it replays for any step of
+  // the same row counts (max_keys / max_input at their largest).
+  absl::Status Decoder(const StepRows& s);
+  // Decoder(s) through the graph captured for s.total decode rows (captured on first use).
+  absl::Status DecodeGraph(StepRows s);
+  void DropGraphs() {
+    for (auto& [n, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+  }
   // The inputs of `enc` (rows.keys: each row's input length), encoded; then every decoder layer's
   // cross-attention K/V of them written into the pool through `cross` (their cross block tables).
   absl::Status Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross);
@@ -251,7 +269,11 @@ class CudaBackend final : public Backend {
   }
   absl::Status ReserveStep(const StepShape& s) {
     for (auto [buf, n] : StepBuffers(s)) {
-      if (absl::Status st = buf->Reserve(std::max<int64_t>(n, 1) * 4); !st.ok()) return st;
+      void* const was = buf->ptr;
+      absl::Status st = buf->Reserve(std::max<int64_t>(n, 1) * 4);
+      // Captured graphs hold the buffers' addresses.
+      if (buf->ptr != was) DropGraphs();
+      if (!st.ok()) return st;
     }
     return absl::OkStatus();
   }
@@ -324,6 +346,7 @@ class CudaBackend final : public Backend {
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
   absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, work_, logits_d_, meta_;
+  std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
 };
 
 const float* CudaBackend::Host(const std::string& full_name) const {
@@ -483,11 +506,13 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   const int total = static_cast<int>(tokens.size()), kept = static_cast<int>(keep.size());
   const int encoded = static_cast<int>(enc_ids.size());
   const int d = c.d_model, w = c.qkv_width();
-  // Metadata in one upload: tokens | position | table_offset | tables | keep, then (encoder-decoder)
-  // cross_position | cross_offset | enc_ids | enc_position | enc_first | enc_len | enc_cross | identity.
+  // Metadata in one upload: tokens | position | table_offset | keep, then (encoder-decoder)
+  // cross_position | cross_offset | enc_ids | enc_position | enc_first | enc_len | enc_cross |
+  // identity, and last the block tables: every offset but the tables' length follows from the row
+  // counts alone, which a captured decode graph relies on.
   std::vector<int32_t> meta;
-  for (const auto* v : {&tokens, &position, &table_offset, &tables, &keep, &cross_position, &cross_offset, &enc_ids,
-                        &enc_position, &enc_first, &enc_len, &enc_cross, &identity}) {
+  for (const auto* v : {&tokens, &position, &table_offset, &keep, &cross_position, &cross_offset, &enc_ids,
+                        &enc_position, &enc_first, &enc_len, &enc_cross, &identity, &tables}) {
     meta.insert(meta.end(), v->begin(), v->end());
   }
   StepShape shape;
@@ -498,18 +523,25 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   shape.max_keys = std::max({max_keys, max_input, max_encoded});
   if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, meta.data(), meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-  const int32_t* d_tokens = meta_.i();
-  cuda::Rows rows;
+  StepRows step;
+  step.total = total;
+  step.kept = kept;
+  step.max_keys = max_keys;
+  step.max_input = max_input;
+  step.tokens = meta_.i();
+  step.keep = step.tokens + 3 * total;
+  const int32_t* e = step.keep + kept + cross_position.size() + cross_offset.size();  // the encoded rows
+  const int32_t* d_tables = e + 6 * encoded;
+  cuda::Rows& rows = step.rows;
   rows.n = total;
-  rows.position = d_tokens + total;
-  rows.table_offset = d_tokens + 2 * total;
-  rows.block_tables = d_tokens + 3 * total;
-  const int32_t* d_keep = rows.block_tables + tables.size();
-  cuda::Rows cross_rows = rows;
-  cross_rows.position = d_keep + kept;
+  rows.position = step.tokens + total;
+  rows.table_offset = step.tokens + 2 * total;
+  rows.block_tables = d_tables;
+  cuda::Rows& cross_rows = step.cross_rows;
+  cross_rows = rows;
+  cross_rows.position = step.keep + kept;
   cross_rows.table_offset = cross_rows.position + cross_position.size();
   if (encoded > 0) {
-    const int32_t* e = cross_rows.table_offset + cross_offset.size();
     cuda::Rows enc;  // e: ids | position | first | len | cross | identity, `encoded` each
     enc.n = encoded;
     enc.position = e + encoded;
@@ -519,59 +551,92 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
     cuda::Rows write = enc;  // the same rows into their cross blocks
     write.keys = nullptr;
     write.table_offset = e + 4 * encoded;
-    write.block_tables = rows.block_tables;
+    write.block_tables = d_tables;
     if (auto s = Encode(e, enc, max_encoded, write); !s.ok()) return s;
   }
+  // Decode: one new token per sequence, only the last logits kept, nothing encoded.
+  const bool decode = encoded == 0 && kept == total && total == static_cast<int>(steps.size());
+  if (auto s = decode && options_.graphs ? DecodeGraph(step) : Decoder(step); !s.ok()) return s;
+  logits->resize(int64_t{kept} * c.vocab_size);
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_d_.ptr, logits->size() * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream_));
+  RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
 
-  RELGEN_CUDA_RETURN(cuda::Embedding(d_tokens, total, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
+absl::Status CudaBackend::Decoder(const StepRows& s) {
+  const ModelConfig& c = model_->config();
+  const int d = c.d_model, w = c.qkv_width();
+  const int total = s.total, kept = s.kept, max_keys = s.max_keys, max_input = s.max_input;
+  const cuda::Rows& rows = s.rows;
+  const cuda::Rows& cross_rows = s.cross_rows;
+  const bool enc_dec = c.encoder_decoder;
+  RELGEN_CUDA_RETURN(cuda::Embedding(s.tokens, total, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
   if (c.embedding_norm) {
-    if (auto s = Norm(x_.f(), total, "embed_norm", x_.f()); !s.ok()) return s;
+    if (auto st = Norm(x_.f(), total, "embed_norm", x_.f()); !st.ok()) return st;
   }
   const bool pre = c.norm_placement == NormPlacement::kPre;
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("layers.", l, ".");
     const float* in = x_.f();
     if (pre) {
-      if (auto s = Norm(x_.f(), total, p + "attn_norm", h_.f()); !s.ok()) return s;
+      if (auto st = Norm(x_.f(), total, p + "attn_norm", h_.f()); !st.ok()) return st;
       in = h_.f();
     }
     for (auto [name, out] : {std::pair{"attn.q", q_.f()}, std::pair{"attn.k", k_.f()}, std::pair{"attn.v", v_.f()}}) {
-      if (auto s = Linear(in, total, d, p + name, w, out); !s.ok()) return s;
+      if (auto st = Linear(in, total, d, p + name, w, out); !st.ok()) return st;
     }
     cuda::KvPool pool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim};
     RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k_.f(), v_.f(), stream_));
     RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
                                        kKeysPerSplit, stream_));
-    if (auto s = Linear(att_.f(), total, w, p + "attn.o", d, tmp_.f()); !s.ok()) return s;
+    if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, tmp_.f()); !st.ok()) return st;
     RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
     if (!pre) {
-      if (auto s = Norm(x_.f(), total, p + "attn_norm", x_.f()); !s.ok()) return s;
+      if (auto st = Norm(x_.f(), total, p + "attn_norm", x_.f()); !st.ok()) return st;
     }
     if (enc_dec) {
       // Cross-attention: every new token over all its input's keys in the pool, no relative term.
-      if (auto s = Norm(x_.f(), total, p + "cross_norm", h_.f()); !s.ok()) return s;
-      if (auto s = Linear(h_.f(), total, d, p + "cross.q", w, q_.f()); !s.ok()) return s;
+      if (auto st = Norm(x_.f(), total, p + "cross_norm", h_.f()); !st.ok()) return st;
+      if (auto st = Linear(h_.f(), total, d, p + "cross.q", w, q_.f()); !st.ok()) return st;
       RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
                                          att_.f(), work_.f(), kKeysPerSplit, stream_));
-      if (auto s = Linear(att_.f(), total, w, p + "cross.o", d, tmp_.f()); !s.ok()) return s;
+      if (auto st = Linear(att_.f(), total, w, p + "cross.o", d, tmp_.f()); !st.ok()) return st;
       RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
     }
-    if (auto s = FeedForward(p, total); !s.ok()) return s;
+    if (auto st = FeedForward(p, total); !st.ok()) return st;
   }
   // The kept rows (gathered like an embedding lookup), the final norm, the vocabulary projection
   // (whose alpha is the lm_head input scale: tied T5's d_model^-0.5, else 1).
-  RELGEN_CUDA_RETURN(cuda::Embedding(d_keep, kept, x_.f(), d, 1.f, h_.f(), stream_));
+  RELGEN_CUDA_RETURN(cuda::Embedding(s.keep, kept, x_.f(), d, 1.f, h_.f(), stream_));
   if (pre) {
-    if (auto s = Norm(h_.f(), kept, "final_norm", h_.f()); !s.ok()) return s;
+    if (auto st = Norm(h_.f(), kept, "final_norm", h_.f()); !st.ok()) return st;
   }
   const float alpha = c.lm_head_input_scale, zero = 0.f;
   const float* head = c.tie_embeddings ? W("embed.weight") : W("lm_head.weight");
   RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &alpha, head, d, h_.f(),
                                    d, &zero, logits_d_.f(), c.vocab_size));
-  logits->resize(int64_t{kept} * c.vocab_size);
-  RELGEN_CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_d_.ptr, logits->size() * sizeof(float),
-                                     cudaMemcpyDeviceToHost, stream_));
-  RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::DecodeGraph(StepRows s) {
+  auto it = graphs_.find(s.total);
+  if (it == graphs_.end()) {
+    // Grids sized for the longest context: a split past a row's keys does nothing, and the
+    // splits' boundaries do not depend on their count, so every step of s.total rows replays it.
+    s.max_keys = s.max_input = model_->config().max_seq_len;
+    RELGEN_CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    const absl::Status captured = Decoder(s);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t made = captured.ok() && ended == cudaSuccess ? cudaGraphInstantiate(&exec, graph, 0) : ended;
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!captured.ok()) return captured;
+    RELGEN_CUDA_RETURN(made);
+    it = graphs_.emplace(s.total, exec).first;
+  }
+  RELGEN_CUDA_RETURN(cudaGraphLaunch(it->second, stream_));
   return absl::OkStatus();
 }
 

@@ -30,6 +30,9 @@ struct CudaOptions {
   int max_step_seqs = 64;
   // Left free for cuBLAS's workspace and the allocator's slack.
   int64_t headroom_bytes = int64_t{64} << 20;
+  // Decode steps (one new token per sequence, nothing to encode) run as a CUDA graph captured once
+  // per batch size: one launch instead of one per kernel and GEMM. Outputs are the same bits.
+  bool graphs = true;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, const CudaOptions& options);
