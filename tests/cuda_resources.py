@@ -41,14 +41,15 @@ from typing import NamedTuple
 #     bound with no per-thread state, they want every warp slot to hide DRAM latency: 100%
 #     (64 warps/SM). At 256 threads that is 8 blocks -> R <= 65536/(8*256) = 32; at 64 threads
 #     the 32-block cap binds first and R <= 65536/(32*64) = 32 as well. Measured 10-22.
-#   - AttentionKernel (128 threads; each lane keeps q and the accumulator for 8 dims, qr[8] and
-#     acc[8], in registers, plus its online-softmax state, and has up to 8 independent loads in
-#     flight per key): at least 6 blocks = 24 warps/SM (37.5%); R <= 65536/(6*128) = 85 -> 80.
-#     Measured 56 (sm_80: 9 blocks, 56%) and 64 (sm_90: 8 blocks, 50%). A budget of 64 (50%)
-#     would sit exactly on today's sm_90 figure with no headroom; 37.5% is the floor below which
-#     a change should be a deliberate decision (retune, or lower the target here), not a drift.
-#     Its dynamic shared memory, 4*(head_dim+2) floats <= 4128 bytes per block, allows far more
-#     than 6 blocks on either architecture, so registers are the binding limit.
+#   - AttentionKernel (128 threads; q in shared memory; each lane owns one key of a 32-key tile
+#     (four partial dot sums over 16-byte loads, two in flight) and the accumulator for 8 output
+#     dims, acc[8], plus its online-softmax state): at least 6 blocks = 24 warps/SM (37.5%);
+#     R <= 65536/(6*128) = 85 -> 80, which `__launch_bounds__(128, 6)` hands ptxas as its cap.
+#     Measured 71-78 (both instantiations, sm_80 and sm_90: 6-7 blocks) with the RowDot loop
+#     unrolled twice (unrolled fully it spilled at 80). 37.5% is the floor below which a change
+#     should be a deliberate decision (retune, or lower the target here), not a drift.
+#     Its dynamic shared memory, (head_dim + 4*(head_dim+2)) floats <= 5152 bytes per block,
+#     allows far more than 6 blocks on either architecture, so registers are the binding limit.
 #   - CombineKernel (64 threads, split-K merge, runs only when keys are split): at least 50%
 #     (32 warps = 16 blocks): R <= 65536/(16*64) = 64. Measured 32 (sm_80) and 40 (sm_90).
 # `stack` is the allowed stack frame (local memory) in bytes; spills are never allowed.

@@ -59,7 +59,7 @@ struct DeviceBuffer {
 };
 
 // Keys per attention block: longer contexts are split across blocks and merged (flash-decoding).
-constexpr int kKeysPerSplit = 512;
+constexpr int kKeysPerSplit = 128;
 
 int ActivationCode(cpu::Activation a) {
   switch (a) {

@@ -16,16 +16,6 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// q (spread over the warp's lanes as qr[t] = q[lane + 32t]) . row, summed over the warp.
-__device__ __forceinline__ float WarpDot(const float (&qr)[kMaxPerLane], const float* row, int hd, int lane) {
-  float s = 0.f;
-#pragma unroll
-  for (int t = 0; t < kMaxPerLane; ++t) {
-    const int d = lane + 32 * t;
-    if (d < hd) s += qr[t] * row[d];
-  }
-  return WarpSum(s);
-}
 
 __device__ __forceinline__ float Act(int act, float v) {
   switch (act) {
@@ -114,11 +104,42 @@ __device__ __forceinline__ int T5SignedBucket(const int32_t* table, int table_le
   return table[(relative < -half ? -half : (relative > half ? half : relative)) + half];
 }
 
-// One (row, head, key split) per block; each warp takes every kWarps-th key with its own online
-// softmax, and the warps merge at the end. kBidirectional (an encoder): the row sees keys
-// 0..rows.keys[r]-1 on both sides and T5's buckets come from the signed table; otherwise causal.
+// q (in shared memory) . row, by one thread: four independent sums over 16-byte loads where
+// head_dim allows (rows start at multiples of head_dim floats).
+__device__ __forceinline__ float RowDot(const float* qs, const float* row, int hd) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  if ((hd & 3) == 0) {
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    const float4* q4 = reinterpret_cast<const float4*>(qs);
+#pragma unroll 2
+    for (int i = 0; i < hd / 4; ++i) {
+      const float4 a = r4[i], b = q4[i];
+      s0 += a.x * b.x;
+      s1 += a.y * b.y;
+      s2 += a.z * b.z;
+      s3 += a.w * b.w;
+    }
+  } else {
+    for (int d = 0; d < hd; ++d) s0 += qs[d] * row[d];
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// One (row, head, key split) per block. Each warp takes tiles of 32 keys, one key per lane: the lane
+// reads its key's block-table entry and K row (16-byte loads, all lanes' loads independent) and adds
+// the relative term of its distance (skew's and Shaw's q.E row, T5's bucket, ALiBi's slope); the tile
+// then updates the warp's online softmax once (max and sum over the lanes), and every lane
+// accumulates its head_dim / 32 output elements over the tile's V rows. The warps merge at the end.
+// kBidirectional (an encoder): the row sees keys 0..rows.keys[r]-1 on both sides and T5's buckets
+// come from the signed table; otherwise causal.
+// At least 6 resident blocks per SM (tests/cuda_resources.py): caps ptxas at 80 registers.
 template <bool kBidirectional>
-__global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative rel, KvPool kv, float* out,
+__global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q, Rows rows, float scale, Relative rel, KvPool kv, float* out,
                                 float* workspace, int keys_per_split) {
   const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -127,68 +148,91 @@ __global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative
   const int ks = kBidirectional ? 0 : relpos::WindowStart(rel.scheme, pos, rel.block_length);
   const int begin = ks + split * keys_per_split;
   const int end = min(kBidirectional ? rows.keys[r] : pos + 1, begin + keys_per_split);
+  float* const part = splits > 1 ? workspace + ((int64_t{r} * kv.n_heads + h) * splits + split) * (hd + 2) : nullptr;
+  if (begin >= end) {  // a split past the row's keys (a grid sized for a longer context): merges as nothing
+    if (threadIdx.x == 0 && part != nullptr) {
+      part[0] = -INFINITY;
+      part[1] = 0.f;
+    }
+    return;
+  }
   const int32_t* table = rows.block_tables + rows.table_offset[r];
   const int th = rel.heads_share ? 0 : h;
   const float rel_mult = rel.scale_with_qk ? scale : 1.f;
+  const float* extra_v = !kBidirectional && rel.scheme == relpos::Scheme::kShaw ? rel.table_v : nullptr;
 
-  float qr[kMaxPerLane], acc[kMaxPerLane];
+  RELGEN_DYNAMIC_SHARED(float, smem);  // q [hd], then kWarps * (hd + 2) for the merge
+  float* const qs = smem;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[int64_t{r} * width + h * hd + d];
+  __syncthreads();
+
+  float acc[kMaxPerLane];
 #pragma unroll
-  for (int t = 0; t < kMaxPerLane; ++t) {
-    const int d = lane + 32 * t;
-    qr[t] = d < hd ? q[int64_t{r} * width + h * hd + d] : 0.f;
-    acc[t] = 0.f;
-  }
+  for (int t = 0; t < kMaxPerLane; ++t) acc[t] = 0.f;
   float m = -INFINITY, l = 0.f;
-  for (int j = begin + warp; j < end; j += kWarps) {
-    const float dot = WarpDot(qr, kv.k + RowOffset(kv, table, h, j), hd, lane);
-    const int dist = pos - j;
-    float rv = 0.f;
-    const float* value_extra = nullptr;
-    if constexpr (kBidirectional) {
-      if (rel.scheme == relpos::Scheme::kT5) {
-        rv = rel.t5_bias[th * rel.t5_num_buckets + T5SignedBucket(rel.t5_bucket_of_distance, rel.t5_table_len, -dist)];
-      }
-    } else {
-      switch (rel.scheme) {
-        case relpos::Scheme::kSkew:
-        case relpos::Scheme::kSkewLocal: {
-          const int row = relpos::SkewRow(dist, rel.rows);
-          if (row >= 0) rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
-          break;
+  for (int base = begin + warp * 32; base < end; base += kWarps * 32) {
+    const int j = base + lane;
+    float s = -INFINITY;
+    int extra_row = -1;
+    if (j < end) {
+      const float dot = RowDot(qs, kv.k + RowOffset(kv, table, h, j), hd);
+      const int dist = pos - j;
+      float rv = 0.f;
+      if constexpr (kBidirectional) {
+        if (rel.scheme == relpos::Scheme::kT5) {
+          rv = rel.t5_bias[th * rel.t5_num_buckets + T5SignedBucket(rel.t5_bucket_of_distance, rel.t5_table_len, -dist)];
         }
-        case relpos::Scheme::kShaw: {
-          const int row = relpos::ShawRow(pos, j, rel.clip_k);
-          rv = WarpDot(qr, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd, lane);
-          if (rel.table_v != nullptr) value_extra = rel.table_v + (int64_t{th} * rel.rows + row) * hd;
-          break;
+      } else {
+        switch (rel.scheme) {
+          case relpos::Scheme::kSkew:
+          case relpos::Scheme::kSkewLocal: {
+            const int row = relpos::SkewRow(dist, rel.rows);
+            if (row >= 0) rv = RowDot(qs, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd);
+            break;
+          }
+          case relpos::Scheme::kShaw: {
+            const int row = relpos::ShawRow(pos, j, rel.clip_k);
+            rv = RowDot(qs, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd);
+            extra_row = row;
+            break;
+          }
+          case relpos::Scheme::kT5:
+            rv = rel.t5_bias[th * rel.t5_num_buckets +
+                             relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
+            break;
+          case relpos::Scheme::kAlibi:
+            rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
+            break;
+          default:
+            break;
         }
-        case relpos::Scheme::kT5:
-          rv = rel.t5_bias[th * rel.t5_num_buckets +
-                           relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
-          break;
-        case relpos::Scheme::kAlibi:
-          rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
-          break;
-        default:
-          break;
       }
+      s = scale * dot + rel_mult * rv;
     }
-    const float s = scale * dot + rel_mult * rv;
-    const float m_new = fmaxf(m, s);
-    const float corr = __expf(m - m_new), p = __expf(s - m_new);
-    l = l * corr + p;
-    const float* vj = kv.v + RowOffset(kv, table, h, j);
+    // The tile's first key is live, so its max is finite.
+    const float m_new = fmaxf(m, WarpMax(s));
+    const float corr = __expf(m - m_new);
+    const float p = j < end ? __expf(s - m_new) : 0.f;
+    l = l * corr + WarpSum(p);
 #pragma unroll
-    for (int t = 0; t < kMaxPerLane; ++t) {
-      const int d = lane + 32 * t;
-      if (d < hd) acc[t] = acc[t] * corr + p * (vj[d] + (value_extra != nullptr ? value_extra[d] : 0.f));
+    for (int t = 0; t < kMaxPerLane; ++t) acc[t] *= corr;
+    const int live = min(32, end - base);
+    for (int i = 0; i < live; ++i) {
+      const float pi = __shfl_sync(0xffffffffu, p, i);
+      const float* vj = kv.v + RowOffset(kv, table, h, base + i);
+      const float* xj = nullptr;
+      if (extra_v != nullptr) xj = extra_v + (int64_t{th} * rel.rows + __shfl_sync(0xffffffffu, extra_row, i)) * hd;
+#pragma unroll
+      for (int t = 0; t < kMaxPerLane; ++t) {
+        const int d = lane + 32 * t;
+        if (d < hd) acc[t] += pi * (vj[d] + (xj != nullptr ? xj[d] : 0.f));
+      }
     }
     m = m_new;
   }
 
   // Merge the warps.
-  RELGEN_DYNAMIC_SHARED(float, smem);  // kWarps * (hd + 2)
-  float* mine = smem + warp * (hd + 2);
+  float* mine = smem + hd + warp * (hd + 2);
 #pragma unroll
   for (int t = 0; t < kMaxPerLane; ++t) {
     const int d = lane + 32 * t;
@@ -200,27 +244,27 @@ __global__ void AttentionKernel(const float* q, Rows rows, float scale, Relative
   }
   __syncthreads();
   if (warp != 0) return;
+  const float* merge = smem + hd;
   float big = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) big = fmaxf(big, smem[w * (hd + 2)]);
+  for (int w = 0; w < kWarps; ++w) big = fmaxf(big, merge[w * (hd + 2)]);
   float total = 0.f;
   for (int w = 0; w < kWarps; ++w) {
-    const float mw = smem[w * (hd + 2)];
-    total += mw == -INFINITY ? 0.f : smem[w * (hd + 2) + 1] * __expf(mw - big);
+    const float mw = merge[w * (hd + 2)];
+    total += mw == -INFINITY ? 0.f : merge[w * (hd + 2) + 1] * __expf(mw - big);
   }
   for (int d = lane; d < hd; d += 32) {
     float a = 0.f;
     for (int w = 0; w < kWarps; ++w) {
-      const float mw = smem[w * (hd + 2)];
-      if (mw != -INFINITY) a += smem[w * (hd + 2) + 2 + d] * __expf(mw - big);
+      const float mw = merge[w * (hd + 2)];
+      if (mw != -INFINITY) a += merge[w * (hd + 2) + 2 + d] * __expf(mw - big);
     }
     if (splits == 1) {
       out[int64_t{r} * width + h * hd + d] = a / total;
     } else {
-      workspace[((int64_t{r} * kv.n_heads + h) * splits + split) * (hd + 2) + 2 + d] = a;
+      part[2 + d] = a;
     }
   }
   if (splits > 1 && lane == 0) {
-    float* part = workspace + ((int64_t{r} * kv.n_heads + h) * splits + split) * (hd + 2);
     part[0] = big;
     part[1] = total;
   }
@@ -302,7 +346,7 @@ cudaError_t LaunchAttention(const float* q, const Rows& rows, int max_keys, floa
   if (kv.head_dim > 32 * kMaxPerLane || kv.head_dim < 1) return cudaErrorInvalidValue;  // dispatch: head_dim <= 256
   if (rows.n == 0) return cudaSuccess;
   const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
-  const size_t smem = sizeof(float) * kWarps * (kv.head_dim + 2);
+  const size_t smem = sizeof(float) * (kv.head_dim + kWarps * (kv.head_dim + 2));
   RELGEN_LAUNCH(AttentionKernel<kBidirectional>, dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s)(
       q, rows, scale, rel, kv, out, workspace, keys_per_split);
   cudaError_t err = cudaGetLastError();

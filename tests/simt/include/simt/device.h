@@ -23,6 +23,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __noinline__
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 // Static shared memory: one object per kernel for the whole process. The emulator runs one block
 // at a time (blocks of every launch are serialized), so that is one object per running block.
@@ -32,6 +33,10 @@
 struct uint3 {
   unsigned int x = 0, y = 0, z = 0;
 };
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 struct dim3 {
   unsigned int x = 1, y = 1, z = 1;
   constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
