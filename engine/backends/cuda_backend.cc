@@ -181,7 +181,7 @@ class CudaBackend final : public Backend {
     BackendMemory m;
     m.weights = weight_bytes_;
     m.kv_cache = kv_bytes_;
-    for (const DeviceBuffer* b : {&x_, &h_, &q_, &k_, &v_, &att_, &tmp_, &up_, &gate_, &work_, &logits_d_, &meta_}) {
+    for (const DeviceBuffer* b : {&x_, &h_, &q_, &k_, &v_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_}) {
       m.activations += static_cast<int64_t>(b->bytes);
     }
     return m;
@@ -257,7 +257,7 @@ class CudaBackend final : public Backend {
     const int64_t meta = (c.encoder_decoder ? 5 : 3) * s.tokens + s.tables + s.kept + 6 * s.encoded;
     return {{&meta_, meta},
             {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&q_, s.tokens * w}, {&k_, s.tokens * w},
-            {&v_, s.tokens * w}, {&att_, s.tokens * w}, {&tmp_, s.tokens * d}, {&up_, s.tokens * f},
+            {&v_, s.tokens * w}, {&att_, s.tokens * w}, {&up_, s.tokens * f},
             {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
             {&work_, cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim, s.max_keys,
                                               kKeysPerSplit)}};
@@ -283,12 +283,16 @@ class CudaBackend final : public Backend {
     auto it = weights_.find(name);
     return it == weights_.end() ? nullptr : it->second;
   }
-  // y[rows, out] = x[rows, in] * W^T (+ bias, + activation). Row-major through column-major cuBLAS.
-  absl::Status Linear(const float* x, int rows, int in, const std::string& w, int out, float* y, int act = -1) {
-    const float one = 1.f, zero = 0.f;
+  // y[rows, out] = x[rows, in] * W^T (+ bias, + activation), or with `residual` y += x * W^T (+ bias):
+  // the residual add as the GEMM's beta, no launch of its own. Row-major through column-major cuBLAS.
+  absl::Status Linear(const float* x, int rows, int in, const std::string& w, int out, float* y, int act = -1,
+                      bool residual = false) {
+    const float one = 1.f, beta = residual ? 1.f : 0.f;
     RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &one, W(w + ".weight"), in, x, in,
-                                     &zero, y, out));
-    RELGEN_CUDA_RETURN(cuda::BiasActivate(y, rows, out, W(w + ".bias"), act, stream_));
+                                     &beta, y, out));
+    const float* bias = W(w + ".bias");
+    if (bias == nullptr && act < 0) return absl::OkStatus();  // nothing to launch for
+    RELGEN_CUDA_RETURN(cuda::BiasActivate(y, rows, out, bias, act, stream_));
     return absl::OkStatus();
   }
   absl::Status Norm(const float* x, int rows, const std::string& p, float* y) {
@@ -345,7 +349,7 @@ class CudaBackend final : public Backend {
   float* alibi_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
   absl::Status broken_;  // engine thread only, like Forward
-  DeviceBuffer x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, work_, logits_d_, meta_;
+  DeviceBuffer x_, h_, q_, k_, v_, att_, up_, gate_, work_, logits_d_, meta_;
   std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
 };
 
@@ -411,12 +415,11 @@ absl::Status CudaBackend::FeedForward(const std::string& p, int rows) {
     if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f()); !s.ok()) return s;
     if (auto s = Linear(in, rows, d, p + "ffn.gate", f, gate_.f()); !s.ok()) return s;
     RELGEN_CUDA_RETURN(cuda::ActivateGated(act, gate_.f(), up_.f(), int64_t{rows} * f, stream_));
-    if (auto s = Linear(gate_.f(), rows, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
+    if (auto s = Linear(gate_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true); !s.ok()) return s;
   } else {
     if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
-    if (auto s = Linear(up_.f(), rows, f, p + "ffn.down", d, tmp_.f()); !s.ok()) return s;
+    if (auto s = Linear(up_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true); !s.ok()) return s;
   }
-  RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{rows} * d, stream_));
   if (!pre) {
     if (auto s = Norm(x_.f(), rows, p + "ffn_norm", x_.f()); !s.ok()) return s;
   }
@@ -441,8 +444,7 @@ absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int 
     }
     RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q_.f(), enc, max_len, c.attention_scale, EncoderRel(l), own,
                                                     att_.f(), work_.f(), kKeysPerSplit, stream_));
-    if (auto s = Linear(att_.f(), rows, w, p + "attn.o", d, tmp_.f()); !s.ok()) return s;
-    RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{rows} * d, stream_));
+    if (auto s = Linear(att_.f(), rows, w, p + "attn.o", d, x_.f(), -1, true); !s.ok()) return s;
     if (auto s = FeedForward(p, rows); !s.ok()) return s;
   }
   if (auto s = Norm(x_.f(), rows, "encoder.final_norm", h_.f()); !s.ok()) return s;
@@ -590,8 +592,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
     RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k_.f(), v_.f(), stream_));
     RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
                                        kKeysPerSplit, stream_));
-    if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, tmp_.f()); !st.ok()) return st;
-    RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
+    if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, x_.f(), -1, true); !st.ok()) return st;
     if (!pre) {
       if (auto st = Norm(x_.f(), total, p + "attn_norm", x_.f()); !st.ok()) return st;
     }
@@ -601,8 +602,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
       if (auto st = Linear(h_.f(), total, d, p + "cross.q", w, q_.f()); !st.ok()) return st;
       RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
                                          att_.f(), work_.f(), kKeysPerSplit, stream_));
-      if (auto st = Linear(att_.f(), total, w, p + "cross.o", d, tmp_.f()); !st.ok()) return st;
-      RELGEN_CUDA_RETURN(cuda::AddInPlace(x_.f(), tmp_.f(), int64_t{total} * d, stream_));
+      if (auto st = Linear(att_.f(), total, w, p + "cross.o", d, x_.f(), -1, true); !st.ok()) return st;
     }
     if (auto st = FeedForward(p, total); !st.ok()) return st;
   }
