@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -830,6 +831,10 @@ TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
     EXPECT_EQ(g.captured > 0, first_of_size) << "step " << i << ": a graph is captured once per batch size";
     EXPECT_EQ(g.gemms, d.gemms);
     EXPECT_GT(d.host_launches, 30) << "launched kernel by kernel, a step is " << d.host_launches << " launches";
+    // Kernel by kernel, each layer's q, k and v are one strided-batched GEMM (three GEMMs run).
+    EXPECT_EQ(d.launches + d.gemms - d.host_launches, 2 * c.n_layers);
+    if (i == 0) std::printf("decode step of %d rows, launched kernel by kernel: %lld launches\n", batches[i],
+                            static_cast<long long>(d.host_launches));
     EXPECT_EQ(g.launch_errors + d.launch_errors, 0);
     ++len_a;
     if (batches[i] == 2) ++len_b;

@@ -79,7 +79,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     DropGraphs();
-    for (auto& [name, p] : weights_) cudaFree(p);
+    for (float* p : owned_) cudaFree(p);
     for (float* p : k_pools_) cudaFree(p);
     for (float* p : v_pools_) cudaFree(p);
     cudaFree(t5_table_);
@@ -97,19 +97,40 @@ class CudaBackend final : public Backend {
     // Pedantic math: no TF32 in the float32 path, so results stay comparable with the CPU.
     RELGEN_CUBLAS_RETURN(cublasSetMathMode(cublas_, CUBLAS_PEDANTIC_MATH));
     const ModelConfig& c = model_->config();
+    std::unordered_map<std::string, int64_t> count;
     for (const TensorSpec& spec : ExpectedTensors(c)) {
       int64_t n = 1;
       for (int64_t d : spec.shape) n *= d;
-      auto host = Host(spec.name);
-      if (host == nullptr) return absl::InternalError("weight " + spec.name + " missing on the host");
+      count[spec.name] = n;
+    }
+    for (const TensorSpec& spec : ExpectedTensors(c)) {
+      if (weights_.count(spec.name) > 0) continue;  // placed beside its projection's q
+      const int64_t n = count[spec.name];
+      // A self-attention's q, k and v weights (and biases) side by side in one allocation: one
+      // strided-batched GEMM and one bias launch compute all three (Qkv).
+      std::vector<std::string> parts = {spec.name};
+      if (const size_t at = spec.name.rfind("attn.q."); at != std::string::npos) {
+        for (const char* sibling : {"attn.k.", "attn.v."}) {
+          const std::string name = std::string(spec.name).replace(at, 7, sibling);
+          if (count.count(name) > 0 && count[name] == n && weights_.count(name) == 0 && Host(name) != nullptr) {
+            parts.push_back(name);
+          }
+        }
+        if (parts.size() != 3) parts.resize(1);
+      }
       // Every allocation is owned by a member the moment it exists: a failure part-way through
       // Init leaves the destructor to free what was made.
-      float*& dev = weights_[spec.name];
-      RELGEN_CUDA_RETURN(cudaMalloc(&dev, n * sizeof(float)));
-      weight_bytes_ += n * static_cast<int64_t>(sizeof(float));
-      // On the work stream: a plain cudaMemcpy runs on the legacy stream, which does not order the
-      // non-blocking work stream's first kernels after the copy.
-      RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, host, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
+      float*& dev = owned_.emplace_back(nullptr);
+      RELGEN_CUDA_RETURN(cudaMalloc(&dev, parts.size() * n * sizeof(float)));
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const float* host = Host(parts[i]);
+        if (host == nullptr) return absl::InternalError("weight " + parts[i] + " missing on the host");
+        weights_[parts[i]] = dev + i * n;
+        weight_bytes_ += n * static_cast<int64_t>(sizeof(float));
+        // On the work stream: a plain cudaMemcpy runs on the legacy stream, which does not order
+        // the non-blocking work stream's first kernels after the copy.
+        RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev + i * n, host, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
+      }
     }
     // The largest step's buffers now, before the pool takes what is left.
     const StepShape largest = LargestStep();
@@ -181,7 +202,7 @@ class CudaBackend final : public Backend {
     BackendMemory m;
     m.weights = weight_bytes_;
     m.kv_cache = kv_bytes_;
-    for (const DeviceBuffer* b : {&x_, &h_, &q_, &k_, &v_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_}) {
+    for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_}) {
       m.activations += static_cast<int64_t>(b->bytes);
     }
     return m;
@@ -256,8 +277,8 @@ class CudaBackend final : public Backend {
     // Meta: 3 ints per decoder row, 2 more for its cross-attention, 6 per encoded row (RunSteps).
     const int64_t meta = (c.encoder_decoder ? 5 : 3) * s.tokens + s.tables + s.kept + 6 * s.encoded;
     return {{&meta_, meta},
-            {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&q_, s.tokens * w}, {&k_, s.tokens * w},
-            {&v_, s.tokens * w}, {&att_, s.tokens * w}, {&up_, s.tokens * f},
+            {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&qkv_, 3 * s.tokens * w},
+            {&att_, s.tokens * w}, {&up_, s.tokens * f},
             {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
             {&work_, cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim, s.max_keys,
                                               kKeysPerSplit)}};
@@ -293,6 +314,37 @@ class CudaBackend final : public Backend {
     const float* bias = W(w + ".bias");
     if (bias == nullptr && act < 0) return absl::OkStatus();  // nothing to launch for
     RELGEN_CUDA_RETURN(cuda::BiasActivate(y, rows, out, bias, act, stream_));
+    return absl::OkStatus();
+  }
+  // q, k and v [rows, qkv_width] each, in qkv_ one capacity apart (what the largest step reserved).
+  int64_t QkvStride() const { return static_cast<int64_t>(qkv_.bytes / sizeof(float) / 3); }
+  float* q() const { return qkv_.f(); }
+  float* k() const { return qkv_.f() + QkvStride(); }
+  float* v() const { return qkv_.f() + 2 * QkvStride(); }
+  // The self-attention projections of the layer named by prefix `p` into q(), k(), v(): one
+  // strided-batched GEMM over the fused weights and at most one bias launch.
+  absl::Status Qkv(const float* x, int rows, const std::string& p) {
+    const ModelConfig& c = model_->config();
+    const int d = c.d_model, w = c.qkv_width();
+    const int64_t wd = int64_t{w} * d;
+    const float* wq = W(p + "attn.q.weight");
+    if (W(p + "attn.k.weight") != wq + wd || W(p + "attn.v.weight") != wq + 2 * wd) {
+      for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
+        if (auto s = Linear(x, rows, d, p + name, w, out); !s.ok()) return s;
+      }
+      return absl::OkStatus();
+    }
+    const float one = 1.f, zero = 0.f;
+    RELGEN_CUBLAS_RETURN(cublasSgemmStridedBatched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, w, rows, d, &one, wq, d, wd, x, d,
+                                                   0, &zero, q(), w, QkvStride(), 3));
+    const float* bq = W(p + "attn.q.bias");
+    if (bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w) {
+      RELGEN_CUDA_RETURN(cuda::BiasActivate(q(), rows, w, bq, -1, stream_, 3, QkvStride()));
+      return absl::OkStatus();
+    }
+    for (auto [name, out] : {std::pair{"attn.q.bias", q()}, std::pair{"attn.k.bias", k()}, std::pair{"attn.v.bias", v()}}) {
+      if (const float* b = W(p + name); b != nullptr) RELGEN_CUDA_RETURN(cuda::BiasActivate(out, rows, w, b, -1, stream_));
+    }
     return absl::OkStatus();
   }
   absl::Status Norm(const float* x, int rows, const std::string& p, float* y) {
@@ -342,14 +394,15 @@ class CudaBackend final : public Backend {
   int device_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
-  std::unordered_map<std::string, float*> weights_;
+  std::unordered_map<std::string, float*> weights_;  // into owned_
+  std::vector<float*> owned_;
   std::vector<float*> k_pools_, v_pools_;
   int32_t* t5_table_ = nullptr;
   int32_t* t5_encoder_table_ = nullptr;  // encoder-decoder T5: signed buckets
   float* alibi_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
   absl::Status broken_;  // engine thread only, like Forward
-  DeviceBuffer x_, h_, q_, k_, v_, att_, up_, gate_, work_, logits_d_, meta_;
+  DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_;
   std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
 };
 
@@ -435,14 +488,12 @@ absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int 
   // The projections' K/V [rows, width] are read in place as a pool of one-token blocks: block b
   // is row b, and each row's table starts at its input's first row (enc.table_offset into the
   // identity table), so attention never crosses inputs and no copy is made.
-  const cuda::KvPool own{k_.f(), v_.f(), 1, c.n_heads, c.head_dim};
+  const cuda::KvPool own{k(), v(), 1, c.n_heads, c.head_dim};
   for (int l = 0; l < c.n_encoder_layers; ++l) {
     const std::string p = absl::StrCat("encoder.layers.", l, ".");
     if (auto s = Norm(x_.f(), rows, p + "attn_norm", h_.f()); !s.ok()) return s;
-    for (auto [name, out] : {std::pair{"attn.q", q_.f()}, std::pair{"attn.k", k_.f()}, std::pair{"attn.v", v_.f()}}) {
-      if (auto s = Linear(h_.f(), rows, d, p + name, w, out); !s.ok()) return s;
-    }
-    RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q_.f(), enc, max_len, c.attention_scale, EncoderRel(l), own,
+    if (auto s = Qkv(h_.f(), rows, p); !s.ok()) return s;
+    RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q(), enc, max_len, c.attention_scale, EncoderRel(l), own,
                                                     att_.f(), work_.f(), kKeysPerSplit, stream_));
     if (auto s = Linear(att_.f(), rows, w, p + "attn.o", d, x_.f(), -1, true); !s.ok()) return s;
     if (auto s = FeedForward(p, rows); !s.ok()) return s;
@@ -451,10 +502,10 @@ absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int 
   // Every decoder layer's cross-attention keys and values of the encoder output, into the pool.
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("layers.", l, ".");
-    if (auto s = Linear(h_.f(), rows, d, p + "cross.k", w, k_.f()); !s.ok()) return s;
-    if (auto s = Linear(h_.f(), rows, d, p + "cross.v", w, v_.f()); !s.ok()) return s;
+    if (auto s = Linear(h_.f(), rows, d, p + "cross.k", w, k()); !s.ok()) return s;
+    if (auto s = Linear(h_.f(), rows, d, p + "cross.v", w, v()); !s.ok()) return s;
     const cuda::KvPool pool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim};
-    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, cross, k_.f(), v_.f(), stream_));
+    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, cross, k(), v(), stream_));
   }
   return absl::OkStatus();
 }
@@ -585,12 +636,10 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
       if (auto st = Norm(x_.f(), total, p + "attn_norm", h_.f()); !st.ok()) return st;
       in = h_.f();
     }
-    for (auto [name, out] : {std::pair{"attn.q", q_.f()}, std::pair{"attn.k", k_.f()}, std::pair{"attn.v", v_.f()}}) {
-      if (auto st = Linear(in, total, d, p + name, w, out); !st.ok()) return st;
-    }
+    if (auto st = Qkv(in, total, p); !st.ok()) return st;
     cuda::KvPool pool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim};
-    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k_.f(), v_.f(), stream_));
-    RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
+    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
+    RELGEN_CUDA_RETURN(cuda::Attention(q(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
                                        kKeysPerSplit, stream_));
     if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, x_.f(), -1, true); !st.ok()) return st;
     if (!pre) {
@@ -599,8 +648,8 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
     if (enc_dec) {
       // Cross-attention: every new token over all its input's keys in the pool, no relative term.
       if (auto st = Norm(x_.f(), total, p + "cross_norm", h_.f()); !st.ok()) return st;
-      if (auto st = Linear(h_.f(), total, d, p + "cross.q", w, q_.f()); !st.ok()) return st;
-      RELGEN_CUDA_RETURN(cuda::Attention(q_.f(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
+      if (auto st = Linear(h_.f(), total, d, p + "cross.q", w, q()); !st.ok()) return st;
+      RELGEN_CUDA_RETURN(cuda::Attention(q(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
                                          att_.f(), work_.f(), kKeysPerSplit, stream_));
       if (auto st = Linear(att_.f(), total, w, p + "cross.o", d, x_.f(), -1, true); !st.ok()) return st;
     }

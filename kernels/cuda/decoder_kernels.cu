@@ -64,11 +64,15 @@ __global__ void NormKernel(bool layernorm, const float* x, int dim, const float*
   }
 }
 
-__global__ void BiasActivateKernel(float* y, int64_t n, int cols, const float* bias, int act) {
+// `batch` matrices of n = rows * cols elements, batch_stride apart, each with its own bias row.
+__global__ void BiasActivateKernel(float* y, int64_t n, int cols, const float* bias, int act, int batch,
+                                   int64_t batch_stride) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= n) return;
-  float v = y[i] + (bias != nullptr ? bias[i % cols] : 0.f);
-  y[i] = Act(act, v);
+  if (i >= n * batch) return;
+  const int64_t b = i / n, e = i % n;
+  float* const at = y + b * batch_stride + e;
+  const float v = *at + (bias != nullptr ? bias[b * cols + e % cols] : 0.f);
+  *at = Act(act, v);
 }
 
 __global__ void GatedKernel(int act, float* x, const float* gate, int64_t n) {
@@ -308,10 +312,11 @@ cudaError_t Norm(bool layernorm, const float* x, int rows, int dim, const float*
   return cudaGetLastError();
 }
 
-cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int act, cudaStream_t s) {
+cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int act, cudaStream_t s, int batch,
+                         int64_t batch_stride) {
   const int64_t n = int64_t{rows} * cols;
-  if (n == 0) return cudaSuccess;
-  RELGEN_LAUNCH(BiasActivateKernel, Blocks(n, 256), 256, 0, s)(y, n, cols, bias, act);
+  if (n == 0 || batch == 0) return cudaSuccess;
+  RELGEN_LAUNCH(BiasActivateKernel, Blocks(n * batch, 256), 256, 0, s)(y, n, cols, bias, act, batch, batch_stride);
   return cudaGetLastError();
 }
 

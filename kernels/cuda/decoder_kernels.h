@@ -55,8 +55,10 @@ cudaError_t Embedding(const int32_t* ids, int n, const float* table, int dim, fl
 cudaError_t Norm(bool layernorm, const float* x, int rows, int dim, const float* weight, const float* bias,
                  float eps, float* y, cudaStream_t stream);
 // y[r, :] += bias (when not null), then the activation in place: 0 relu, 1 gelu, 2 gelu_tanh,
-// 3 silu, -1 none (cpu::Linear's bias, cpu::Activate).
-cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int activation, cudaStream_t stream);
+// 3 silu, -1 none (cpu::Linear's bias, cpu::Activate). With batch > 1, as many [rows, cols]
+// matrices batch_stride floats apart, matrix b with bias[b * cols, ...] (a fused QKV projection).
+cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int activation, cudaStream_t stream,
+                         int batch = 1, int64_t batch_stride = 0);
 // x = act(x) * gate (cpu::ActivateGated).
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
