@@ -45,10 +45,11 @@ from typing import NamedTuple
 #     (four partial dot sums over 16-byte loads, two in flight) and the accumulator for 8 output
 #     dims, acc[8], plus its online-softmax state): at least 6 blocks = 24 warps/SM (37.5%);
 #     R <= 65536/(6*128) = 85 -> 80, which `__launch_bounds__(128, 6)` hands ptxas as its cap.
-#     Measured 71-78 (both instantiations, sm_80 and sm_90: 6-7 blocks) with the RowDot loop
-#     unrolled twice (unrolled fully it spilled at 80). 37.5% is the floor below which a change
+#     Measured 72-80 (both instantiations, sm_80 and sm_90: 6-7 blocks) with the RowDot loop
+#     and the V loop unrolled twice (unrolled further they spilled at 80). 37.5% is the floor below which a change
 #     should be a deliberate decision (retune, or lower the target here), not a drift.
-#     Its dynamic shared memory, (head_dim + 4*(head_dim+2)) floats <= 5152 bytes per block,
+#     Its dynamic shared memory (q, the warps' merge, each warp's tile of weights, row offsets and
+#     Shaw rows: AttentionSharedBytes), <= 7200 bytes per block at head_dim 256,
 #     allows far more than 6 blocks on either architecture, so registers are the binding limit.
 #   - CombineKernel (64 threads, split-K merge, runs only when keys are split): at least 50%
 #     (32 warps = 16 blocks): R <= 65536/(16*64) = 64. Measured 32 (sm_80) and 40 (sm_90).

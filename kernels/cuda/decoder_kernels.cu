@@ -165,8 +165,14 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
   const float rel_mult = rel.scale_with_qk ? scale : 1.f;
   const float* extra_v = !kBidirectional && rel.scheme == relpos::Scheme::kShaw ? rel.table_v : nullptr;
 
-  RELGEN_DYNAMIC_SHARED(float, smem);  // q [hd], then kWarps * (hd + 2) for the merge
+  // q [hd]; the warps' merge, kWarps * (hd + 2); per warp its tile's weights [32]; then (8-byte
+  // aligned) per warp its tile's K/V row offsets [32] and Shaw rows [32] (AttentionSharedBytes).
+  RELGEN_DYNAMIC_SHARED(float, smem);
   float* const qs = smem;
+  float* const tile_p = smem + hd + kWarps * (hd + 2) + warp * 32;
+  int64_t* const tile_off =
+      reinterpret_cast<int64_t*>(smem + ((hd + kWarps * (hd + 2) + kWarps * 32 + 1) & ~1)) + warp * 32;
+  int* const tile_x = reinterpret_cast<int*>(tile_off + (kWarps - warp) * 32) + warp * 32;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[int64_t{r} * width + h * hd + d];
   __syncthreads();
 
@@ -178,8 +184,10 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
     const int j = base + lane;
     float s = -INFINITY;
     int extra_row = -1;
+    int64_t off = 0;
     if (j < end) {
-      const float dot = RowDot(qs, kv.k + RowOffset(kv, table, h, j), hd);
+      off = RowOffset(kv, table, h, j);
+      const float dot = RowDot(qs, kv.k + off, hd);
       const int dist = pos - j;
       float rv = 0.f;
       if constexpr (kBidirectional) {
@@ -220,18 +228,25 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
     l = l * corr + WarpSum(p);
 #pragma unroll
     for (int t = 0; t < kMaxPerLane; ++t) acc[t] *= corr;
+    // The tile's weights and rows through shared memory: the V loop has no collective in it, so
+    // its loads of several keys are in flight at once.
+    tile_p[lane] = p;
+    tile_off[lane] = off;
+    tile_x[lane] = extra_row;
+    __syncwarp();
     const int live = min(32, end - base);
+#pragma unroll 2
     for (int i = 0; i < live; ++i) {
-      const float pi = __shfl_sync(0xffffffffu, p, i);
-      const float* vj = kv.v + RowOffset(kv, table, h, base + i);
-      const float* xj = nullptr;
-      if (extra_v != nullptr) xj = extra_v + (int64_t{th} * rel.rows + __shfl_sync(0xffffffffu, extra_row, i)) * hd;
+      const float pi = tile_p[i];
+      const float* vj = kv.v + tile_off[i];
+      const float* xj = extra_v != nullptr ? extra_v + (int64_t{th} * rel.rows + tile_x[i]) * hd : nullptr;
 #pragma unroll
       for (int t = 0; t < kMaxPerLane; ++t) {
         const int d = lane + 32 * t;
         if (d < hd) acc[t] += pi * (vj[d] + (xj != nullptr ? xj[d] : 0.f));
       }
     }
+    __syncwarp();  // the next tile overwrites what other lanes may still read
     m = m_new;
   }
 
@@ -272,6 +287,11 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
     part[0] = big;
     part[1] = total;
   }
+}
+
+size_t AttentionSharedBytes(int hd) {
+  const int floats = (hd + kWarps * (hd + 2) + kWarps * 32 + 1) & ~1;
+  return sizeof(float) * floats + kWarps * 32 * (sizeof(int64_t) + sizeof(int));
 }
 
 // Merges the key splits of each (row, head).
@@ -351,7 +371,7 @@ cudaError_t LaunchAttention(const float* q, const Rows& rows, int max_keys, floa
   if (kv.head_dim > 32 * kMaxPerLane || kv.head_dim < 1) return cudaErrorInvalidValue;  // dispatch: head_dim <= 256
   if (rows.n == 0) return cudaSuccess;
   const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
-  const size_t smem = sizeof(float) * (kv.head_dim + kWarps * (kv.head_dim + 2));
+  const size_t smem = AttentionSharedBytes(kv.head_dim);
   RELGEN_LAUNCH(AttentionKernel<kBidirectional>, dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s)(
       q, rows, scale, rel, kv, out, workspace, keys_per_split);
   cudaError_t err = cudaGetLastError();
