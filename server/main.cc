@@ -52,7 +52,7 @@ ABSL_FLAG(std::string, weights_dtype, "f32",
           "how the CPU backend stores the dense layers' weights: f32, bf16 (half the bytes) or int8 (a quarter; "
           "per-output-channel scales); arithmetic stays float32. docs/benchmarks.md gives each one's accuracy");
 ABSL_FLAG(std::string, kv_cache_dtype, "f32",
-          "how the CPU backend stores the K/V cache: f32, or bf16 (half the bytes: twice the tokens in the same "
+          "how the K/V cache is stored (CPU and CUDA): f32, or bf16 (half the bytes: twice the tokens in the same "
           "memory, half the cache read per decode step); arithmetic stays float32");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");

@@ -13,7 +13,7 @@ struct Options {
   std::string device = "auto";
   int threads = 0;                       // 0: every hardware thread
   std::string weights_dtype = "f32";     // dense weights on the CPU: f32, bf16, int8
-  std::string kv_cache_dtype = "f32";    // K/V cache on the CPU: f32, bf16
+  std::string kv_cache_dtype = "f32";    // K/V cache (CPU and CUDA): f32, bf16
   int max_num_seqs = 64;
   int max_batch_tokens = 512;
   int max_waiting = 1024;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -66,15 +67,26 @@ struct AttnCase {
   bool values;
   int length;
   int block_size;
+  int head_dim = 64;  // 20: float rows in 16-byte loads, bf16 rows element by element; 7: both so
 };
 
 class CudaAttentionTest : public ::testing::TestWithParam<AttnCase> {};
 
-// Every row of a sequence at once (as a prefill) on the GPU == the CPU twin, scattered pages.
+// bf16's unit roundoff: 8 significant bits, rounded to nearest, so |bf16(x) - x| <= 2^-8 |x|.
+constexpr double kBf16Roundoff = 1.0 / 256;
+
+// Every row of a sequence at once (as a prefill) on the GPU == the CPU twin, scattered pages; with
+// the cache in f32 and in bf16. In bf16 the twin is the CPU's bf16 cache (the same rounding rule,
+// so the same stored bits, float32 arithmetic: 1e-4), and against the f32 result the error stays
+// within what rounding K and V can cause, derived per (row, head, dim) from the data:
+//   scores move by at most delta = scale * u * max_j sum_d |q_d k_jd| (u = 2^-8; the relative
+//   tables stay float32), so each softmax weight by at most a factor e^(+-2 delta), and
+//   |out'_d - out_d| <= (e^(2 delta) - 1) * max_j |v'_jd + x_jd| + u * max_j |v_jd|
+//   (x: Shaw's value row, unrounded; j over every key up to the row, a superset of its window).
 TEST_P(CudaAttentionTest, MatchesCpuTwin) {
   REQUIRE_GPU();
   const AttnCase p = GetParam();
-  const int H = 4, hd = 64, W = H * hd, L = OnThreads() ? std::min(p.length, 12) : p.length, bs = p.block_size;
+  const int H = 4, hd = p.head_dim, W = H * hd, L = OnThreads() ? std::min(p.length, 12) : p.length, bs = p.block_size;
   const int nblocks = (L + bs - 1) / bs;
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
@@ -104,12 +116,41 @@ TEST_P(CudaAttentionTest, MatchesCpuTwin) {
   crel.t5_bucket_of_distance = t5_table.data();
   crel.t5_table_len = static_cast<int>(t5_table.size());
   crel.alibi_slopes = slopes.data();
+  const cpu::AttentionDims dims{H, hd, 0.125f};
   std::vector<float> kpool(size_t(nblocks) * H * bs * hd), vpool(kpool.size());
   cpu::KvView view{kpool.data(), vpool.data(), table.data(), bs, H, hd};
   cpu::WriteKv(view, k.data(), v.data(), 0, L);
-  std::vector<float> want(size_t(L) * W);
-  const cpu::AttentionDims dims{H, hd, 0.125f};
-  cpu::AttentionPrefill(dims, crel, view, q.data(), 0, L, want.data());
+  std::vector<float> want32(size_t(L) * W);
+  cpu::AttentionPrefill(dims, crel, view, q.data(), 0, L, want32.data());
+  std::vector<uint16_t> kpool16(kpool.size()), vpool16(kpool.size());
+  cpu::KvView view16{kpool16.data(), vpool16.data(), table.data(), bs, H, hd, cpu::KvType::kBf16};
+  cpu::WriteKv(view16, k.data(), v.data(), 0, L);
+  std::vector<float> want16(size_t(L) * W);
+  cpu::AttentionPrefill(dims, crel, view16, q.data(), 0, L, want16.data());
+  // The bf16 bound above, per (row, head, dim), in float64; maxima over keys 0..i as i grows.
+  std::vector<double> bound(size_t(L) * W);
+  for (int h = 0; h < H; ++h) {
+    std::vector<double> vmax(hd, 0.0), v16max(hd, 0.0);
+    for (int i = 0; i < L; ++i) {
+      const size_t at = size_t(i) * W + h * hd;
+      for (int d = 0; d < hd; ++d) {
+        double extra = 0;  // Shaw's value rows, any distance
+        for (int row = 0; p.scheme == relpos::Scheme::kShaw && p.values && row < rows; ++row) {
+          extra = std::max(extra, std::abs(double(tv[(size_t(h) * rows + row) * hd + d])));
+        }
+        vmax[d] = std::max(vmax[d], std::abs(double(v[at + d])));
+        v16max[d] = std::max(v16max[d], std::abs(testing::Bf16Value(v[at + d])) + extra);
+      }
+      double dotmax = 0;
+      for (int j = 0; j <= i; ++j) {
+        double sum = 0;
+        for (int d = 0; d < hd; ++d) sum += std::abs(double(q[at + d]) * k[size_t(j) * W + h * hd + d]);
+        dotmax = std::max(dotmax, sum);
+      }
+      const double delta = 0.125 * kBf16Roundoff * dotmax;
+      for (int d = 0; d < hd; ++d) bound[at + d] = std::expm1(2 * delta) * v16max[d] + kBf16Roundoff * vmax[d];
+    }
+  }
 
   cuda::Relative grel;
   grel.scheme = p.scheme;
@@ -126,24 +167,41 @@ TEST_P(CudaAttentionTest, MatchesCpuTwin) {
   std::vector<int32_t> position(L), offset(L, 0);
   std::iota(position.begin(), position.end(), 0);
   cuda::Rows r{L, Upload(position), Upload(offset), Upload(table)};
-  cuda::KvPool pool{Upload(std::vector<float>(kpool.size(), NAN)), Upload(std::vector<float>(kpool.size(), NAN)), bs, H, hd};
   float* dq = Upload(q);
-  ASSERT_EQ(cuda::WriteKv(pool, r, Upload(k), Upload(v), nullptr), cudaSuccess);
-  // Several key splits per row; and one split, where a warp takes several 32-key tiles (rows past
-  // 128 keys) and rescales its running softmax between them.
-  std::vector<int> splits = {OnThreads() ? 4 : kEmulated ? 32 : 128};
-  if (!OnThreads()) splits.push_back(L);
-  for (const int kps : splits) {
-    float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(L, H, hd, L, kps), 1)));
-    float* dout = Upload(std::vector<float>(size_t(L) * W, NAN));
-    ASSERT_EQ(cuda::Attention(dq, r, L, 0.125f, grel, pool, dout, work, kps, nullptr), cudaSuccess);
-    std::vector<float> got(size_t(L) * W);
-    ASSERT_EQ(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_NEAR(got[i], want[i], 1e-4 * (1 + std::abs(want[i]))) << "keys per split " << kps << ", element " << i;
+  float *dk = Upload(k), *dv = Upload(v);
+  for (const cuda::KvElem type : {cuda::KvElem::kF32, cuda::KvElem::kBf16}) {
+    const bool bf16 = type == cuda::KvElem::kBf16;
+    SCOPED_TRACE(bf16 ? "bf16 cache" : "f32 cache");
+    // Poisoned: NaN in either type (0xffff is a bf16 NaN).
+    const size_t pool_bytes = kpool.size() * (bf16 ? 2 : 4);
+    cuda::KvPool pool{Upload(std::vector<uint8_t>(pool_bytes, 0xff)), Upload(std::vector<uint8_t>(pool_bytes, 0xff)),
+                      bs, H, hd, type};
+    ASSERT_EQ(cuda::WriteKv(pool, r, dk, dv, nullptr), cudaSuccess);
+    const std::vector<float>& want = bf16 ? want16 : want32;
+    // Several key splits per row; and one split, where a warp takes several 32-key tiles (rows past
+    // 128 keys) and rescales its running softmax between them.
+    std::vector<int> splits = {OnThreads() ? 4 : kEmulated ? 32 : 128};
+    if (!OnThreads()) splits.push_back(L);
+    for (const int kps : splits) {
+      float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(L, H, hd, L, kps), 1)));
+      float* dout = Upload(std::vector<float>(size_t(L) * W, NAN));
+      ASSERT_EQ(cuda::Attention(dq, r, L, 0.125f, grel, pool, dout, work, kps, nullptr), cudaSuccess);
+      std::vector<float> got(size_t(L) * W);
+      ASSERT_EQ(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      double moved = 0;  // from the f32 cache's output
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_NEAR(got[i], want[i], 1e-4 * (1 + std::abs(want[i]))) << "keys per split " << kps << ", element " << i;
+        if (!bf16) continue;
+        ASSERT_LE(std::abs(double(got[i]) - want32[i]), bound[i] + 1e-4 * (1 + std::abs(want32[i])))
+            << "keys per split " << kps << ", element " << i;
+        moved = std::max(moved, std::abs(double(got[i]) - want32[i]));
+      }
+      if (bf16) EXPECT_GT(moved, 1e-4) << "the bf16 cache in effect";
+      cudaFree(work);
+      cudaFree(dout);
     }
-    cudaFree(work);
-    cudaFree(dout);
+    cudaFree(pool.k);
+    cudaFree(pool.v);
   }
 }
 
@@ -153,7 +211,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(AttnCase{relpos::Scheme::kNone, 0, 0, false, 37, 7}, AttnCase{relpos::Scheme::kSkew, 20, 0, false, 300, 16},
                       AttnCase{relpos::Scheme::kSkew, 1000, 0, false, 701, 5}, AttnCase{relpos::Scheme::kSkewLocal, 64, 32, false, 333, 16},
                       AttnCase{relpos::Scheme::kShaw, 8, 0, true, 129, 3}, AttnCase{relpos::Scheme::kShaw, 300, 0, false, 513, 16},
-                      AttnCase{relpos::Scheme::kT5, 0, 0, false, 257, 1}, AttnCase{relpos::Scheme::kAlibi, 0, 0, false, 999, 16}));
+                      AttnCase{relpos::Scheme::kT5, 0, 0, false, 257, 1}, AttnCase{relpos::Scheme::kAlibi, 0, 0, false, 999, 16},
+                      AttnCase{relpos::Scheme::kShaw, 6, 0, true, 145, 5, 20}, AttnCase{relpos::Scheme::kSkew, 30, 0, false, 140, 3, 7}));
 #else
 // Each case keeps what it tests: skew with M < L (zero beyond M) and M > L, local with several
 // blocks, Shaw clipped on both sides with and without values, T5 past its table (> 128), ALiBi.
@@ -162,7 +221,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(AttnCase{relpos::Scheme::kNone, 0, 0, false, 37, 7}, AttnCase{relpos::Scheme::kSkew, 20, 0, false, 96, 16},
                       AttnCase{relpos::Scheme::kSkew, 200, 0, false, 130, 5}, AttnCase{relpos::Scheme::kSkewLocal, 24, 16, false, 80, 16},
                       AttnCase{relpos::Scheme::kShaw, 8, 0, true, 70, 3}, AttnCase{relpos::Scheme::kShaw, 50, 0, false, 130, 16},
-                      AttnCase{relpos::Scheme::kT5, 0, 0, false, 150, 1}, AttnCase{relpos::Scheme::kAlibi, 0, 0, false, 140, 16}));
+                      AttnCase{relpos::Scheme::kT5, 0, 0, false, 150, 1}, AttnCase{relpos::Scheme::kAlibi, 0, 0, false, 140, 16},
+                      AttnCase{relpos::Scheme::kShaw, 6, 0, true, 45, 5, 20}, AttnCase{relpos::Scheme::kSkew, 30, 0, false, 40, 3, 7}));
 #endif
 
 std::vector<std::string> Cases() {
@@ -209,6 +269,59 @@ TEST_P(CudaParityTest, MatchesReference) {
       }
       testing::ExpectRowsClose(all.data(), want.data(), len, vocab, 1e-4, GetParam() + " chunk " + std::to_string(chunk));
     }
+  }
+}
+
+// The bf16 cache end to end, whole and token by token: the CUDA backend's logits against the CPU
+// backend's with a bf16 cache (one rounding rule, float32 arithmetic in both), and against the
+// float64 golden of the f32 model, from which bf16 K/V must move them (the cache type in effect).
+// Tolerances, relative to the row's largest logit. CPU twin: the two backends' float32 sums differ
+// in order, so a K or V element within an ulp of a bf16 rounding boundary may round the other way
+// on one of them (that element moved by up to 2^-8 of itself): seen up to 3.5e-4 on the goldens
+// (skew_long_range), 1e-6 where nothing flips. Golden: every K and V element moved by up to
+// u = 2^-8 (kBf16Roundoff), so each attention output by O(u) of its scale (the kernel bound in
+// CudaAttentionTest), and the logits with it: 2.5 u; seen up to 2.8e-3 (0.7 u).
+constexpr double kBf16TwinTol = 2e-3, kBf16GoldenTol = 2.5 * kBf16Roundoff;
+TEST_P(CudaParityTest, Bf16CacheMatchesCpuTwin) {
+  REQUIRE_GPU();
+  const std::string dir = testing::GoldenDir() + "/" + GetParam();
+  auto model = *Model::Load(dir);
+  CudaOptions o;
+  o.num_blocks = 64;
+  o.kv_type = cpu::KvType::kBf16;
+  auto backend = NewCudaBackend(model, o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto twin = NewCpuBackend(model, KvCacheConfig{16, 64}, 1, cpu::WeightType::kF32, cpu::KvType::kBf16);
+  ASSERT_TRUE(twin.ok()) << twin.status();
+  auto golden = *SafetensorsFile::Open(dir + "/golden.safetensors");
+  const int vocab = model->config().vocab_size;
+  const int len = kSanitized ? 17 : 64;
+  const TensorInfo* t = golden->Find("tokens_" + std::to_string(len));
+  const TensorInfo* l = golden->Find("logits_" + std::to_string(len));
+  std::vector<int32_t> tokens(len);
+  std::memcpy(tokens.data(), t->data, len * sizeof(int32_t));
+  std::vector<double> want(l->numel());
+  std::memcpy(want.data(), l->data, l->nbytes);
+  std::vector<int32_t> table(16);
+  std::iota(table.begin(), table.end(), 0);
+  std::reverse(table.begin(), table.end());
+  for (int chunk : {len, 1}) {
+    const std::string what = GetParam() + " chunk " + std::to_string(chunk);
+    std::vector<float> all, cpu_all, part;
+    for (int pos = 0; pos < len; pos += chunk) {
+      const int n = std::min(chunk, len - pos);
+      SequenceStep s{absl::MakeConstSpan(tokens).subspan(pos, n), pos, table, true};
+      ASSERT_TRUE((*backend)->Forward({&s, 1}, &part).ok());
+      all.insert(all.end(), part.begin(), part.end());
+      ASSERT_TRUE((*twin)->Forward({&s, 1}, &part).ok());
+      cpu_all.insert(cpu_all.end(), part.begin(), part.end());
+    }
+    const std::vector<double> cpu_wide(cpu_all.begin(), cpu_all.end());
+    double moved = 0;
+    for (size_t i = 0; i < all.size(); ++i) moved = std::max(moved, std::abs(all[i] - want[i]));
+    testing::ExpectRowsClose(all.data(), cpu_wide.data(), len, vocab, kBf16TwinTol, what + " vs the CPU's bf16 cache");
+    testing::ExpectRowsClose(all.data(), want.data(), len, vocab, kBf16GoldenTol, what + " vs the f32 golden");
+    EXPECT_GT(moved, 1e-5) << what << ": the bf16 cache in effect";
   }
 }
 
@@ -347,12 +460,15 @@ INSTANTIATE_TEST_SUITE_P(T5, CudaT5Test, ::testing::ValuesIn(T5CaseNames()), [](
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaT5Test);
 
 // Batched output == single-request output on the GPU engine (greedy, float32).
-TEST(CudaEngineTest, BatchedEqualsAlone) {
+class CudaEngineKvTest : public ::testing::TestWithParam<cpu::KvType> {};
+
+TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
   REQUIRE_GPU();
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
-  auto make = [&] {
-    return *Engine::Create(model, *NewCudaBackend(model, KvCacheConfig{16, 512}), NewByteTokenizer(), EngineConfig{});
-  };
+  CudaOptions o;
+  o.num_blocks = 512;
+  o.kv_type = GetParam();
+  auto make = [&] { return *Engine::Create(model, *NewCudaBackend(model, o), NewByteTokenizer(), EngineConfig{}); };
   std::vector<Request> work;
   const int requests = kEmulated ? (kSanitized ? 3 : 6) : 16, max_prompt = kEmulated ? 60 : 200,
             new_tokens = kEmulated ? 6 : 20;
@@ -378,6 +494,8 @@ TEST(CudaEngineTest, BatchedEqualsAlone) {
   for (const Request& r : work) hs.push_back(*batch_engine->Submit(r));
   for (size_t i = 0; i < hs.size(); ++i) EXPECT_EQ(drain(*hs[i]), alone[i]) << "request " << i;
 }
+INSTANTIATE_TEST_SUITE_P(Cache, CudaEngineKvTest, ::testing::Values(cpu::KvType::kF32, cpu::KvType::kBf16),
+                         [](const auto& i) { return std::string(cpu::KvTypeName(i.param)); });
 
 // T5 through the engine on the GPU backend, its loop driven here: requests admitted while others
 // decode (steps that encode some inputs and decode other sequences), an input longer than the step
@@ -508,6 +626,9 @@ TEST(CudaKernelsTest, WriteKvMatchesTheCpuPoolLayout) {
   std::vector<float> k(size_t{len} * width), v(k.size());
   for (float& x : k) x = nd(rng);
   for (float& x : v) x = nd(rng);
+  k[0] = 1.0f + 1.0f / 256;  // bf16 ties: rounds down to even (1.0),
+  k[1] = 1.0f + 3.0f / 256;  // and up to even (1 + 2^-6)
+  v[2] = std::numeric_limits<float>::quiet_NaN();
   std::vector<int32_t> table(nblocks);
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), rng);
@@ -528,7 +649,47 @@ TEST(CudaKernelsTest, WriteKvMatchesTheCpuPoolLayout) {
     ASSERT_TRUE(std::isnan(kwant[i]) ? std::isnan(kgot[i]) : kgot[i] == kwant[i]) << "K pool element " << i;
     ASSERT_TRUE(std::isnan(vwant[i]) ? std::isnan(vgot[i]) : vgot[i] == vwant[i]) << "V pool element " << i;
   }
-  for (void* d : {static_cast<void*>(p.k), static_cast<void*>(p.v)}) cudaFree(d);
+  for (void* d : {p.k, p.v}) cudaFree(d);
+
+  // A bf16 pool: the same slots, each element rounded to nearest even (testing::Bf16Value, an
+  // independent rule), bit for bit what the CPU's bf16 cache stores; untouched slots keep their
+  // poison. The data has two ties and a NaN.
+  std::vector<uint16_t> k16(pool, 0xffff), v16(pool, 0xffff);
+  cpu::KvView view16{k16.data(), v16.data(), table.data(), bs, heads, hd, cpu::KvType::kBf16};
+  cpu::WriteKv(view16, k.data(), v.data(), 0, len);
+  cuda::KvPool p16{Upload(std::vector<uint16_t>(pool, 0xffff)), Upload(std::vector<uint16_t>(pool, 0xffff)), bs, heads,
+                   hd, cuda::KvElem::kBf16};
+  ASSERT_EQ(cuda::WriteKv(p16, r, Upload(k), Upload(v), nullptr), cudaSuccess);
+  std::vector<uint16_t> kgot16(pool), vgot16(pool);
+  ASSERT_EQ(cudaMemcpy(kgot16.data(), p16.k, pool * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(vgot16.data(), p16.v, pool * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(kgot16, k16);
+  EXPECT_EQ(vgot16, v16);
+  auto value = [](uint16_t h) {
+    const uint32_t u = uint32_t{h} << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  };
+  int nan_values = 0;
+  for (size_t i = 0; i < pool; ++i) {
+    const bool written = !std::isnan(kwant[i]);
+    ASSERT_EQ(written, kgot16[i] != 0xffff) << "K slot " << i;
+    if (written) ASSERT_EQ(double(value(kgot16[i])), testing::Bf16Value(kwant[i])) << "K slot " << i;
+    if (!written) {
+      ASSERT_EQ(vgot16[i], 0xffff) << "V slot " << i;
+    } else if (std::isnan(vwant[i])) {
+      ++nan_values;
+      ASSERT_TRUE(std::isnan(value(vgot16[i]))) << "V slot " << i;
+    } else {
+      ASSERT_EQ(double(value(vgot16[i])), testing::Bf16Value(vwant[i])) << "V slot " << i;
+    }
+  }
+  EXPECT_EQ(nan_values, 1);
+  const int64_t first = cpu::KvView{nullptr, nullptr, table.data(), bs, heads, hd}.RowOffset(0, 0);
+  EXPECT_EQ(value(kgot16[first]), 1.0f);
+  EXPECT_EQ(value(kgot16[first + 1]), 1.0f + 1.0f / 64);
+  for (void* d : {p16.k, p16.v}) cudaFree(d);
 }
 
 // Attention's grid spanning more key splits than the rows need (as a captured decode graph's, sized
@@ -738,16 +899,28 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     EXPECT_EQ((*backend)->device(), "simt-emulator:0") << device;
   }
   EXPECT_FALSE(NewBackend(model, DeviceOptions{"cuda:1", 1024}).ok());
-  // The CPU's narrow storage types are not the CUDA backend's (yet).
-  for (const auto& [field, name, message] :
-       {std::tuple{&DeviceOptions::weights_dtype, "int8", "stores f32 weights only"},
-        std::tuple{&DeviceOptions::kv_cache_dtype, "bf16", "keeps an f32 K/V cache only"}}) {
+  // The CPU's narrow weights are not the CUDA backend's (yet).
+  for (const char* name : {"int8", "bf16"}) {
     DeviceOptions o{"cuda", 1024};
-    o.*field = name;
+    o.weights_dtype = name;
     const auto refused = NewBackend(model, o);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << name;
-    EXPECT_NE(refused.status().message().find(message), absl::string_view::npos) << refused.status();
+    EXPECT_NE(refused.status().message().find("stores f32 weights only"), absl::string_view::npos) << refused.status();
   }
+  // --kv_cache_dtype bf16 reaches it: the same tokens in half the pool's bytes.
+  int64_t bytes[2] = {0, 0};
+  for (const int i : {0, 1}) {
+    DeviceOptions o{"cuda", 1024};
+    o.kv_cache_dtype = i == 0 ? "f32" : "bf16";
+    auto backend = NewBackend(model, o);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    EXPECT_EQ(int64_t{(*backend)->kv_cache().num_blocks} * (*backend)->kv_cache().block_size, 1024);
+    bytes[i] = (*backend)->memory().kv_cache;
+  }
+  const ModelConfig& c = model->config();
+  EXPECT_EQ(bytes[0], 1024 * CudaKvBytesPerToken(c));
+  EXPECT_EQ(bytes[1] * 2, bytes[0]);
+  EXPECT_EQ(CudaKvBytesPerToken(c, cpu::KvType::kBf16), int64_t{2} * c.n_layers * c.n_heads * c.head_dim * 2);
 }
 
 // One forward's work as the emulator counts it: every projection is one GEMM, memory comes back.

@@ -80,8 +80,8 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     DropGraphs();
     for (float* p : owned_) cudaFree(p);
-    for (float* p : k_pools_) cudaFree(p);
-    for (float* p : v_pools_) cudaFree(p);
+    for (void* p : k_pools_) cudaFree(p);
+    for (void* p : v_pools_) cudaFree(p);
     cudaFree(t5_table_);
     cudaFree(t5_encoder_table_);
     cudaFree(alibi_);
@@ -141,7 +141,7 @@ class CudaBackend final : public Backend {
           " MiB of buffers beside ", weight_bytes_ >> 20, " MiB of weights, and they do not fit (", st.message(),
           "); lower --max_batch_tokens or --max_num_seqs, or use a device with more memory"));
     }
-    const int64_t per_block = CudaKvBytesPerToken(c) * kv_.block_size;
+    const int64_t per_block = CudaKvBytesPerToken(c, options_.kv_type) * kv_.block_size;
     if (kv_.num_blocks == 0) {
       size_t free = 0, total = 0;
       RELGEN_CUDA_RETURN(cudaMemGetInfo(&free, &total));
@@ -161,12 +161,13 @@ class CudaBackend final : public Backend {
       }
       kv_.num_blocks = static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
     }
-    const int64_t per_layer = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim;
+    const int64_t per_layer =
+        int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim * cpu::KvTypeBytes(options_.kv_type);
     for (int l = 0; l < c.n_layers; ++l) {
-      RELGEN_CUDA_RETURN(cudaMalloc(&k_pools_.emplace_back(nullptr), per_layer * sizeof(float)));
-      RELGEN_CUDA_RETURN(cudaMalloc(&v_pools_.emplace_back(nullptr), per_layer * sizeof(float)));
+      RELGEN_CUDA_RETURN(cudaMalloc(&k_pools_.emplace_back(nullptr), per_layer));
+      RELGEN_CUDA_RETURN(cudaMalloc(&v_pools_.emplace_back(nullptr), per_layer));
     }
-    kv_bytes_ = 2 * per_layer * c.n_layers * static_cast<int64_t>(sizeof(float));
+    kv_bytes_ = 2 * per_layer * c.n_layers;
     if (!model_->t5_bucket_table().empty()) {
       const auto& t = model_->t5_bucket_table();
       RELGEN_CUDA_RETURN(cudaMalloc(&t5_table_, t.size() * sizeof(int32_t)));
@@ -368,6 +369,12 @@ class CudaBackend final : public Backend {
     r.t5_table_len = static_cast<int>(model_->t5_encoder_bucket_table().size());
     return r;
   }
+  // Layer l's paged K/V pool.
+  cuda::KvPool Pool(int l) const {
+    const ModelConfig& c = model_->config();
+    return cuda::KvPool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim,
+                        options_.kv_type == cpu::KvType::kBf16 ? cuda::KvElem::kBf16 : cuda::KvElem::kF32};
+  }
   cuda::Relative Rel(int layer) const {
     const ModelConfig& c = model_->config();
     const std::string p = c.rel.share_across_layers ? "attn." : absl::StrCat("layers.", layer, ".attn.");
@@ -396,7 +403,7 @@ class CudaBackend final : public Backend {
   cublasHandle_t cublas_ = nullptr;
   std::unordered_map<std::string, float*> weights_;  // into owned_
   std::vector<float*> owned_;
-  std::vector<float*> k_pools_, v_pools_;
+  std::vector<void*> k_pools_, v_pools_;  // of options_.kv_type
   int32_t* t5_table_ = nullptr;
   int32_t* t5_encoder_table_ = nullptr;  // encoder-decoder T5: signed buckets
   float* alibi_ = nullptr;
@@ -504,8 +511,7 @@ absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int 
     const std::string p = absl::StrCat("layers.", l, ".");
     if (auto s = Linear(h_.f(), rows, d, p + "cross.k", w, k()); !s.ok()) return s;
     if (auto s = Linear(h_.f(), rows, d, p + "cross.v", w, v()); !s.ok()) return s;
-    const cuda::KvPool pool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim};
-    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, cross, k(), v(), stream_));
+    RELGEN_CUDA_RETURN(cuda::WriteKv(Pool(l), cross, k(), v(), stream_));
   }
   return absl::OkStatus();
 }
@@ -637,7 +643,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
       in = h_.f();
     }
     if (auto st = Qkv(in, total, p); !st.ok()) return st;
-    cuda::KvPool pool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim};
+    const cuda::KvPool pool = Pool(l);
     RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
     RELGEN_CUDA_RETURN(cuda::Attention(q(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
                                        kKeysPerSplit, stream_));
@@ -700,8 +706,8 @@ int CudaDeviceCount() {
   return n;
 }
 
-int64_t CudaKvBytesPerToken(const ModelConfig& c) {
-  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * static_cast<int64_t>(sizeof(float));
+int64_t CudaKvBytesPerToken(const ModelConfig& c, cpu::KvType kv_type) {
+  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * cpu::KvTypeBytes(kv_type);
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int device) {

@@ -1,4 +1,4 @@
-// CUDA backend: the decoder forward on one GPU, float32, with the kernels of kernels/cuda and
+// CUDA backend: the decoder forward on one GPU, float32 (the K/V cache float32 or bf16), with the kernels of kernels/cuda and
 // cuBLAS for the projections. Built where nvcc is found (RELGEN_WITH_CUDA), and in test trees
 // against relgen's SIMT emulator (tests/simt), where device() reports "simt-emulator:N".
 #pragma once
@@ -8,14 +8,15 @@
 #include "absl/status/statusor.h"
 #include "engine/backends/backend.h"
 #include "engine/model/model.h"
+#include "kernels/cpu/attention.h"
 
 namespace relgen {
 
 // Number of CUDA devices usable now (0 without a driver or device, or in a build without CUDA).
 int CudaDeviceCount();
 
-// Bytes of device KV pool per token (every layer's K and V, float32).
-int64_t CudaKvBytesPerToken(const ModelConfig& config);
+// Bytes of device KV pool per token (every layer's K and V, in `kv_type`).
+int64_t CudaKvBytesPerToken(const ModelConfig& config, cpu::KvType kv_type = cpu::KvType::kF32);
 
 struct CudaOptions {
   int device = 0;
@@ -24,6 +25,9 @@ struct CudaOptions {
   // the weights, the step buffers and `headroom_bytes`.
   int num_blocks = 0;
   double kv_memory_fraction = 0.9;
+  // How the pool stores K and V: float32, or bf16 (cpu::KvType's rule: rounded to nearest even when
+  // written, widened exactly when read, float32 arithmetic), half the bytes per token.
+  cpu::KvType kv_type = cpu::KvType::kF32;
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): its buffers
   // are allocated at start, so no step can run out of device memory later.
   int max_step_tokens = 512;

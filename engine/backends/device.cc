@@ -45,13 +45,9 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
                                                      ": the CUDA backend stores f32 weights only; use "
                                                      "--weights_dtype f32, or --device cpu"));
     }
-    if (kv_type != cpu::KvType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype ", o.kv_cache_dtype,
-                                                     ": the CUDA backend keeps an f32 K/V cache only; use "
-                                                     "--kv_cache_dtype f32, or --device cpu"));
-    }
     CudaOptions co;
     co.device = index;
+    co.kv_type = kv_type;
     co.block_size = o.kv_block_size;
     co.kv_memory_fraction = o.kv_cache_memory_fraction;
     co.max_step_tokens = o.max_step_tokens;

@@ -17,7 +17,7 @@ struct DeviceOptions {
   int kv_block_size = 16;
   int threads = 0;  // CPU threads
   std::string weights_dtype = "f32";  // dense weights: f32, or on the CPU bf16 / int8
-  std::string kv_cache_dtype = "f32";  // K/V cache elements: f32, or on the CPU bf16
+  std::string kv_cache_dtype = "f32";  // K/V cache elements: f32 or bf16
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): a device
   // backend allocates its buffers at start.
   int max_step_tokens = 512;

@@ -90,14 +90,33 @@ __device__ __forceinline__ int64_t RowOffset(const KvPool& kv, const int32_t* ta
   return ((block * kv.n_heads + head) * kv.block_size + pos % kv.block_size) * kv.head_dim;
 }
 
+// bf16 storage: cpu::ToBf16's rule (nearest even; a NaN stays a quiet NaN), on the bits so that
+// no compiler flag changes it.
+__device__ __forceinline__ uint16_t Bf16Bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+__device__ __forceinline__ void Store(float* p, float f) { *p = f; }
+__device__ __forceinline__ void Store(uint16_t* p, float f) { *p = Bf16Bits(f); }
+__device__ __forceinline__ float Widen(float f) { return f; }
+__device__ __forceinline__ float Widen(uint16_t h) { return __uint_as_float(uint32_t{h} << 16); }
+// The two bf16 elements of a 32-bit word (the lower address in the low half).
+__device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+template <typename T>
 __global__ void WriteKvKernel(KvPool kv, Rows rows, const float* k, const float* v) {
   const int r = blockIdx.x, h = blockIdx.y;
   const int width = kv.n_heads * kv.head_dim;
   const int32_t* table = rows.block_tables + rows.table_offset[r];
   const int64_t dst = RowOffset(kv, table, h, rows.position[r]);
+  T* const pk = static_cast<T*>(kv.k);
+  T* const pv = static_cast<T*>(kv.v);
   for (int d = threadIdx.x; d < kv.head_dim; d += blockDim.x) {
-    kv.k[dst + d] = k[int64_t{r} * width + h * kv.head_dim + d];
-    kv.v[dst + d] = v[int64_t{r} * width + h * kv.head_dim + d];
+    Store(pk + dst + d, k[int64_t{r} * width + h * kv.head_dim + d]);
+    Store(pv + dst + d, v[int64_t{r} * width + h * kv.head_dim + d]);
   }
 }
 
@@ -129,6 +148,32 @@ __device__ __forceinline__ float RowDot(const float* qs, const float* row, int h
   return (s0 + s1) + (s2 + s3);
 }
 
+// The same over a bf16 row: 16-byte loads of eight elements where head_dim allows, each element
+// widened exactly and summed into the partial sum a float row's element would go to.
+__device__ __forceinline__ float RowDot(const float* qs, const uint16_t* row, int hd) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  if ((hd & 7) == 0) {
+    const uint4* r8 = reinterpret_cast<const uint4*>(row);
+    const float4* q4 = reinterpret_cast<const float4*>(qs);
+#pragma unroll 2
+    for (int i = 0; i < hd / 8; ++i) {
+      const uint4 a = r8[i];
+      const float4 b = q4[2 * i], c = q4[2 * i + 1];
+      s0 += Lo(a.x) * b.x;
+      s1 += Hi(a.x) * b.y;
+      s2 += Lo(a.y) * b.z;
+      s3 += Hi(a.y) * b.w;
+      s0 += Lo(a.z) * c.x;
+      s1 += Hi(a.z) * c.y;
+      s2 += Lo(a.w) * c.z;
+      s3 += Hi(a.w) * c.w;
+    }
+  } else {
+    for (int d = 0; d < hd; ++d) s0 += qs[d] * Widen(row[d]);
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
 __device__ __forceinline__ float WarpMax(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
@@ -140,9 +185,9 @@ __device__ __forceinline__ float WarpMax(float v) {
 // then updates the warp's online softmax once (max and sum over the lanes), and every lane
 // accumulates its head_dim / 32 output elements over the tile's V rows. The warps merge at the end.
 // kBidirectional (an encoder): the row sees keys 0..rows.keys[r]-1 on both sides and T5's buckets
-// come from the signed table; otherwise causal.
+// come from the signed table; otherwise causal. T: the pool's element (float, or uint16_t bf16 bits).
 // At least 6 resident blocks per SM (tests/cuda_resources.py): caps ptxas at 80 registers.
-template <bool kBidirectional>
+template <bool kBidirectional, typename T>
 __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q, Rows rows, float scale, Relative rel, KvPool kv, float* out,
                                 float* workspace, int keys_per_split) {
   const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -164,6 +209,8 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
   const int th = rel.heads_share ? 0 : h;
   const float rel_mult = rel.scale_with_qk ? scale : 1.f;
   const float* extra_v = !kBidirectional && rel.scheme == relpos::Scheme::kShaw ? rel.table_v : nullptr;
+  const T* const pk = static_cast<const T*>(kv.k);
+  const T* const pv = static_cast<const T*>(kv.v);
 
   // q [hd]; the warps' merge, kWarps * (hd + 2); per warp its tile's weights [32]; then (8-byte
   // aligned) per warp its tile's K/V row offsets [32] and Shaw rows [32] (AttentionSharedBytes).
@@ -187,7 +234,7 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
     int64_t off = 0;
     if (j < end) {
       off = RowOffset(kv, table, h, j);
-      const float dot = RowDot(qs, kv.k + off, hd);
+      const float dot = RowDot(qs, pk + off, hd);
       const int dist = pos - j;
       float rv = 0.f;
       if constexpr (kBidirectional) {
@@ -238,12 +285,12 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
 #pragma unroll 2
     for (int i = 0; i < live; ++i) {
       const float pi = tile_p[i];
-      const float* vj = kv.v + tile_off[i];
+      const T* vj = pv + tile_off[i];
       const float* xj = extra_v != nullptr ? extra_v + (int64_t{th} * rel.rows + tile_x[i]) * hd : nullptr;
 #pragma unroll
       for (int t = 0; t < kMaxPerLane; ++t) {
         const int d = lane + 32 * t;
-        if (d < hd) acc[t] += pi * (vj[d] + (xj != nullptr ? xj[d] : 0.f));
+        if (d < hd) acc[t] += pi * (Widen(vj[d]) + (xj != nullptr ? xj[d] : 0.f));
       }
     }
     __syncwarp();  // the next tile overwrites what other lanes may still read
@@ -354,7 +401,11 @@ cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t s) {
 
 cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const float* v, cudaStream_t s) {
   if (rows.n == 0) return cudaSuccess;
-  RELGEN_LAUNCH(WriteKvKernel, dim3(rows.n, kv.n_heads), 64, 0, s)(kv, rows, k, v);
+  if (kv.type == KvElem::kBf16) {
+    RELGEN_LAUNCH(WriteKvKernel<uint16_t>, dim3(rows.n, kv.n_heads), 64, 0, s)(kv, rows, k, v);
+  } else {
+    RELGEN_LAUNCH(WriteKvKernel<float>, dim3(rows.n, kv.n_heads), 64, 0, s)(kv, rows, k, v);
+  }
   return cudaGetLastError();
 }
 
@@ -372,8 +423,14 @@ cudaError_t LaunchAttention(const float* q, const Rows& rows, int max_keys, floa
   if (rows.n == 0) return cudaSuccess;
   const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
   const size_t smem = AttentionSharedBytes(kv.head_dim);
-  RELGEN_LAUNCH(AttentionKernel<kBidirectional>, dim3(rows.n, kv.n_heads, splits), 32 * kWarps, smem, s)(
-      q, rows, scale, rel, kv, out, workspace, keys_per_split);
+  const dim3 grid(rows.n, kv.n_heads, splits);
+  if (kv.type == KvElem::kBf16) {
+    RELGEN_LAUNCH((AttentionKernel<kBidirectional, uint16_t>), grid, 32 * kWarps, smem, s)(
+        q, rows, scale, rel, kv, out, workspace, keys_per_split);
+  } else {
+    RELGEN_LAUNCH((AttentionKernel<kBidirectional, float>), grid, 32 * kWarps, smem, s)(
+        q, rows, scale, rel, kv, out, workspace, keys_per_split);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
   RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, 0, s)(workspace, splits, kv.n_heads, kv.head_dim, out);

@@ -1,4 +1,4 @@
-// CUDA kernels of the decoder, float32. Every kernel has a CPU twin in kernels/cpu (named in its
+// CUDA kernels of the decoder, float32 (the K/V cache float32 or bf16). Every kernel has a CPU twin in kernels/cpu (named in its
 // comment) and the parity tests compare them. All pointers are device pointers; all launches go on
 // `stream` and return the launch's error.
 #pragma once
@@ -28,13 +28,19 @@ struct Relative {
   bool scale_with_qk = true;
 };
 
-// One layer's paged K/V pool: [num_blocks, n_heads, block_size, head_dim] each.
+// How a K/V pool stores an element (cpu::KvType's two): float32, or bfloat16 bits (uint16_t),
+// rounded to nearest even when written (cpu::ToBf16's rule) and widened exactly when read; the
+// arithmetic stays float32. bf16 halves the bytes a decode step reads of the cache.
+enum class KvElem { kF32, kBf16 };
+
+// One layer's paged K/V pool: [num_blocks, n_heads, block_size, head_dim] each, of `type`.
 struct KvPool {
-  float* k = nullptr;
-  float* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
   int block_size = 0;
   int n_heads = 0;
   int head_dim = 0;
+  KvElem type = KvElem::kF32;
 };
 
 // Per new-token row r of a step: its absolute position and where its sequence's block table
@@ -63,7 +69,8 @@ cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int ac
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
 cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t stream);
-// k, v [rows, n_heads*head_dim] into the pool at each row's position (cpu::WriteKv).
+// k, v [rows, n_heads*head_dim] into the pool at each row's position, in the pool's element type
+// (cpu::WriteKv).
 cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const float* v, cudaStream_t stream);
 
 // Attention of every new-token row (prefill, chunked prefill and decode alike) against its

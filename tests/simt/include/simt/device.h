@@ -37,6 +37,12 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
 struct dim3 {
   unsigned int x = 1, y = 1, z = 1;
   constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
@@ -169,6 +175,16 @@ T atomicMax(T* p, T v) {
 
 // Device math: the fast intrinsics are the accurate functions here (the device's are within a few
 // ulp).
+inline unsigned int __float_as_uint(float x) {
+  unsigned int u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+inline float __uint_as_float(unsigned int u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
