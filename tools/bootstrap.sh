@@ -18,7 +18,7 @@ esac
 shift
 
 packages=(
-  build-essential cmake ninja-build pkg-config git
+  build-essential cmake ninja-build pkg-config git ccache
   libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libopenblas0-pthread
   nlohmann-json3-dev libsentencepiece-dev
@@ -51,8 +51,16 @@ if [ "$mode" = test ]; then
 fi
 
 jobs=$(nproc)
+# Compiler outputs cached across builds and clones (ccache; ~/.cache/ccache): a clone in another
+# folder reuses them (paths under the checkout are hashed relative to it), so a rerun on the same
+# machine rebuilds only what changed. RELGEN_CCACHE=0 builds without it.
+launcher=()
+if [ "${RELGEN_CCACHE:-1}" != 0 ] && command -v ccache > /dev/null; then
+  export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+  launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
 echo "== configuring and building (build/, $jobs jobs)"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${RELGEN_CMAKE_ARGS:-} > build.log 2>&1 \
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" ${RELGEN_CMAKE_ARGS:-} > build.log 2>&1 \
   || { cat build.log; exit 1; }
 cmake --build build -j "$jobs"
 
@@ -76,7 +84,7 @@ case "$mode" in
           ;;
         asan)
           echo "== [asan] configuring and building build-asan/ (clang, ASan+UBSan, libFuzzer targets)"
-          cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+          cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" -DCMAKE_CXX_COMPILER=clang++ \
             -DCMAKE_C_COMPILER=clang -DRELGEN_CUDA=OFF -DRELGEN_SANITIZE=address -DRELGEN_FUZZ=ON \
             > build-asan.log 2>&1 || { cat build-asan.log; exit 1; }
           cmake --build build-asan -j "$jobs"
@@ -86,7 +94,7 @@ case "$mode" in
           ;;
         tsan)
           echo "== [tsan] configuring and building build-tsan/ (clang, TSan, concurrency suites)"
-          cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+          cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" -DCMAKE_CXX_COMPILER=clang++ \
             -DCMAKE_C_COMPILER=clang -DRELGEN_CUDA=OFF -DRELGEN_SANITIZE=thread \
             > build-tsan.log 2>&1 || { cat build-tsan.log; exit 1; }
           cmake --build build-tsan -j "$jobs" --target relgen-server engine_test server_test soak_test reliability_test \
