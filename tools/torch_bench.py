@@ -2,7 +2,7 @@
 """PyTorch side of `relgen-bench engine`: the same model (same weights, float32) run eagerly with a
 KV cache, as a PyTorch user would write it, timed the same way. Prints one JSON object.
 
-  /usr/bin/python3 tools/torch_bench.py --model DIR --batch B --context C --steps N --threads T
+  /usr/bin/python3 tools/torch_bench.py --model DIR --batch B --context C --steps N --threads T [--device cuda]
 
 Prefill: one sequence of C tokens (relative logits via the skew, vectorised). Decode: B sequences
 at position C, N steps, each with the relative term computed for the step only."""
@@ -22,9 +22,10 @@ import safetensors_io  # noqa: E402
 
 
 class CachedDecoder:
-    def __init__(self, cfg, tensors, max_len, batch):
+    def __init__(self, cfg, tensors, max_len, batch, device="cpu"):
         self.cfg = cfg
-        self.t = {k: torch.tensor(v, dtype=torch.float32) for k, v in tensors.items()}
+        self.dev = device
+        self.t = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in tensors.items()}
         self.h, self.hd = cfg["n_heads"], cfg["head_dim"]
         self.r = cfg["relative_attention"]
         self.scheme = self.r["scheme"]
@@ -34,13 +35,13 @@ class CachedDecoder:
         self.scale = cfg.get("attention_scale") or 1.0 / math.sqrt(self.hd)
         self.scale_rel = self.r.get("scale_with_qk", True)
         L, W = cfg["n_layers"], self.h * self.hd
-        self.k = torch.zeros(L, batch, self.h, max_len, self.hd)
-        self.v = torch.zeros(L, batch, self.h, max_len, self.hd)
+        self.k = torch.zeros(L, batch, self.h, max_len, self.hd, device=device)
+        self.v = torch.zeros(L, batch, self.h, max_len, self.hd, device=device)
         if self.scheme == "t5":
             nb, md, bi = self.r.get("num_buckets", 32), self.r.get("max_distance", 128), self.r.get("bidirectional", False)
-            self.bucket = torch.tensor([relgen_ref.t5_bucket(-d, nb, md, bi) for d in range(max_len)])
+            self.bucket = torch.tensor([relgen_ref.t5_bucket(-d, nb, md, bi) for d in range(max_len)], device=device)
         if self.scheme == "alibi":
-            self.slopes = torch.tensor(relgen_ref.alibi_slopes(self.h)).view(1, self.h, 1, 1)
+            self.slopes = torch.tensor(relgen_ref.alibi_slopes(self.h), device=device).view(1, self.h, 1, 1)
 
     def table(self, layer, name):
         p = "attn." if self.shared else f"layers.{layer}.attn."
@@ -88,7 +89,7 @@ class CachedDecoder:
         self.v[layer, :B, :, start:start + T] = self.lin(x, p + "v").view(B, T, self.h, self.hd).transpose(1, 2)
         k, v = self.k[layer, :B, :, : start + T], self.v[layer, :B, :, : start + T]
         logits = torch.matmul(q, k.transpose(-1, -2))
-        qpos, kpos = torch.arange(start, start + T), torch.arange(start + T)
+        qpos, kpos = torch.arange(start, start + T, device=self.dev), torch.arange(start + T, device=self.dev)
         rel = self.rel(layer, q, qpos, kpos)
         if rel is not None:
             logits = (logits + rel) * self.scale if self.scale_rel else logits * self.scale + rel
@@ -139,29 +140,44 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (timings synchronize the device)")
     a = ap.parse_args()
+    gpu = a.device != "cpu"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit(f"torch_bench: --device {a.device}: this torch ({torch.__version__}) sees no CUDA device")
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize(a.device)
     torch.set_num_threads(a.threads)
     cfg = json.load(open(os.path.join(a.model, "config.json")))
     cfg.setdefault("head_dim", cfg["d_model"] // cfg["n_heads"])
     tensors = safetensors_io.load(os.path.join(a.model, "model.safetensors"))
-    m = CachedDecoder(cfg, tensors, a.context + a.steps + 1, a.batch)
+    m = CachedDecoder(cfg, tensors, a.context + a.steps + 1, a.batch, a.device)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 256, (a.batch, a.context), generator=gen)
+    prompt = torch.randint(0, 256, (a.batch, a.context), generator=gen).to(a.device)
     with torch.inference_mode():
+        if gpu:  # the first call initialises cuBLAS and the caching allocator (as relgen's first Forward)
+            m.forward(prompt[:1], 0)
+        sync()
         t0 = time.perf_counter()
         m.forward(prompt[:1], 0)
+        sync()
         prefill_s = time.perf_counter() - t0
         for b in range(1, a.batch):  # the other sequences' caches (untimed)
             m.k[:, b], m.v[:, b] = m.k[:, 0], m.v[:, 0]
-        tok = torch.randint(0, 256, (a.batch, 1), generator=gen)
+        tok = torch.randint(0, 256, (a.batch, 1), generator=gen).to(a.device)
         m.forward(tok, a.context)  # warm-up step
+        sync()
         t0 = time.perf_counter()
         for s in range(a.steps):
             logits = m.forward(tok, a.context + 1 + s)
             tok = logits.argmax(-1, keepdim=True)
+        sync()
         decode_s = time.perf_counter() - t0
     print(json.dumps({"prefill_tokens_per_s": a.context / prefill_s,
                       "decode_tokens_per_s": a.batch * a.steps / decode_s, "threads": a.threads,
+                      "device": torch.cuda.get_device_name(a.device) if gpu else "cpu",
                       "torch": torch.__version__}))
 
 

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "engine/backends/cpu_backend.h"
+#include "engine/backends/device.h"
 #include "engine/model/model.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/thread_pool.h"
@@ -87,10 +88,33 @@ struct Result {
 };
 
 Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
-                 cpu::WeightType weights, cpu::KvType kv_type) {
+                 cpu::WeightType weights, cpu::KvType kv_type, const std::string& device) {
   const int bs = 16;
   const int per_seq = BlocksForTokens(context + steps + 1, bs);
-  auto backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights, kv_type);
+  Result r;
+  std::unique_ptr<Backend> backend;
+  if (device == "cpu") {
+    backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights, kv_type);
+  } else {
+    // The device's step buffers are sized at start for the largest step: here the whole batch's prefill.
+    DeviceOptions o;
+    o.device = device;
+    // At least one whole sequence, as the device's pool must hold.
+    const ModelConfig& c = model->config();
+    o.kv_cache_tokens = std::max<int64_t>(int64_t{batch} * per_seq * bs,
+                                          int64_t{c.encoder_decoder ? 2 : 1} * BlocksForTokens(c.max_seq_len, bs) * bs);
+    o.kv_block_size = bs;
+    o.weights_dtype = cpu::WeightTypeName(weights);
+    o.kv_cache_dtype = cpu::KvTypeName(kv_type);
+    o.max_step_tokens = batch * context;
+    o.max_step_seqs = batch;
+    auto made = NewBackend(model, o);
+    if (!made.ok()) {
+      std::fprintf(stderr, "relgen-bench: %s\n", std::string(made.status().message()).c_str());
+      return r;
+    }
+    backend = *std::move(made);
+  }
   std::vector<std::vector<int32_t>> tables(batch);
   for (int b = 0; b < batch; ++b) {
     for (int i = 0; i < per_seq; ++i) tables[b].push_back(b * per_seq + i);
@@ -99,7 +123,6 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
   std::vector<int32_t> prompt(context);
   for (int32_t& t : prompt) t = rng() % 256;
   std::vector<float> logits;
-  Result r;
   {  // one sequence alone (after a warm-up, as the peer), then all of them in one call (which fills every cache)
     SequenceStep s{prompt, 0, tables[0], false};
     if (!backend->Forward({&s, 1}, &logits).ok()) return r;
@@ -133,7 +156,8 @@ std::string PeerCommand(const EngineBenchOptions& o, int batch, int context, int
                             " --steps " + std::to_string(o.steps) + " --threads " + std::to_string(threads);
   if (o.peer == "torch") {
     const std::string py = o.peer_python.empty() ? "/usr/bin/python3" : o.peer_python;
-    return "'" + py + "' '" RELGEN_SOURCE_DIR "/tools/torch_bench.py' --model '" + o.model + "'" + shape;
+    return "'" + py + "' '" RELGEN_SOURCE_DIR "/tools/torch_bench.py' --model '" + o.model + "'" + shape +
+           (o.device == "cpu" ? "" : " --device '" + o.device + "'");
   }
   const std::string py = o.peer_python.empty() ? RELGEN_SOURCE_DIR "/build-hf-venv/bin/python" : o.peer_python;
   return "'" + py + "' '" RELGEN_SOURCE_DIR "/tools/bench/ct2_peer.py' bench --model '" + o.model + "'" + shape +
@@ -191,14 +215,41 @@ int RunEngineBench(const EngineBenchOptions& o) {
       return 2;
     }
   }
+  const bool gpu = o.device != "cpu";
+  if (gpu && o.peer == "ct2") {
+    std::fprintf(stderr, "relgen-bench: --device %s compares with --peer torch (on the same GPU) or none\n",
+                 o.device.c_str());
+    return 2;
+  }
+  if (gpu && !o.machine.empty()) {
+    std::fprintf(stderr, "relgen-bench: --machine holds this CPU's ceilings; with --device %s give --device_GBps\n",
+                 o.device.c_str());
+    return 2;
+  }
   MachineFigures machine;
   if (!o.machine.empty() && !LoadMachineFigures(o.machine, &machine)) return 2;
   const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  cpu::ThreadPool pool(threads);
-  std::printf("measuring the machine's ceilings (%d threads)...\n", threads);
-  const double read_bw = ReadBandwidth(pool), copy_bw = CopyBandwidth(), gemm_flops = GemmFlops(pool);
-  std::printf("read bandwidth %.1f GB/s, copy bandwidth %.1f GB/s, GEMM %.1f GFLOP/s (relgen packed, 256x2048x2048)\n",
-              read_bw / 1e9, copy_bw / 1e9, gemm_flops / 1e9);
+  double read_bw = 0, copy_bw = 0, gemm_flops = 0;
+  if (gpu) {
+    // Decode on a GPU is bound by its memory: the floor is the step's bytes at the card's nominal
+    // bandwidth (a figure this run does not produce); FLOPs are not bounded here.
+    read_bw = o.device_gbps * 1e9;
+    if (read_bw > 0) {
+      std::printf("device %s; roofline from --device_GBps %.0f (nominal memory bandwidth)\n", o.device.c_str(),
+                  o.device_gbps);
+    } else {
+      std::printf("device %s; no roofline (give --device_GBps, the card's nominal memory bandwidth)\n",
+                  o.device.c_str());
+    }
+  } else {
+    cpu::ThreadPool pool(threads);
+    std::printf("measuring the machine's ceilings (%d threads)...\n", threads);
+    read_bw = ReadBandwidth(pool);
+    copy_bw = CopyBandwidth();
+    gemm_flops = GemmFlops(pool);
+    std::printf("read bandwidth %.1f GB/s, copy bandwidth %.1f GB/s, GEMM %.1f GFLOP/s (relgen packed, 256x2048x2048)\n",
+                read_bw / 1e9, copy_bw / 1e9, gemm_flops / 1e9);
+  }
   if (!o.machine.empty()) {
     if (machine.threads != threads) {
       std::printf("note: %s was measured with %d threads, this run uses %d\n", o.machine.c_str(), machine.threads,
@@ -206,7 +257,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
     }
     std::printf("roofline bounds from %s (measured apart): read bandwidth by working set, FMA peak %.1f GFLOP/s\n",
                 o.machine.c_str(), machine.peak_flops / 1e9);
-  } else {
+  } else if (!gpu) {
     std::printf("roofline bounds from this run's own probes above (pass --machine FILE for independent ones)\n");
   }
   std::printf("\n");
@@ -222,7 +273,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
               cfg.name.c_str(), std::string(SchemeName(cfg.rel.scheme)).c_str(), cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_dim,
               (*model)->num_parameters() / 1e6, cpu::WeightTypeName(o.weights), weight_bytes / 1e6, cpu::KvTypeName(o.kv_type));
   const bool peer = o.peer != "none";
-  const std::string peer_name = o.peer == "torch" ? "torch" : "ct2 " + o.peer_compute_type;
+  const std::string peer_name = o.peer == "torch" ? (gpu ? "torch on " + o.device : "torch") : "ct2 " + o.peer_compute_type;
   if (peer) std::printf("peer: %s\n", PeerCommand(o, 1, o.contexts[0], threads).c_str());
   struct Cell {
     int batch, context;
@@ -237,7 +288,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::printf("repetition %d of %d\n", rep + 1, o.reps);
     std::fflush(stdout);
     for (Cell& c : cells) {
-      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type);
+      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type, o.device);
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
@@ -264,8 +315,12 @@ int RunEngineBench(const EngineBenchOptions& o) {
       }
     }
   }
-  std::printf("\ntokens/s and relgen / %s, median [min-max] over %d interleaved repetitions\n", peer_name.c_str(),
-              o.reps);
+  if (peer) {
+    std::printf("\ntokens/s and relgen / %s, median [min-max] over %d interleaved repetitions\n", peer_name.c_str(),
+                o.reps);
+  } else {
+    std::printf("\ntokens/s, median [min-max] over %d repetitions (no peer)\n", o.reps);
+  }
   std::printf("%5s %7s | %-34s | %-34s | %-34s | %9s\n", "batch", "context", "prefill 1 seq: relgen, ratio",
               "prefill whole batch: relgen, ratio", "decode: relgen, ratio", "roofline");
   json rows = json::array();
@@ -274,8 +329,8 @@ int RunEngineBench(const EngineBenchOptions& o) {
     const double kv_bytes = double(c.batch) * c.context * cfg.n_layers * 2.0 * cfg.qkv_width() * cpu::KvTypeBytes(o.kv_type);
     const double step_flops = 2.0 * c.batch * dense_params + 4.0 * c.batch * c.context * cfg.n_layers * cfg.qkv_width();
     const double bw = bandwidth_for(weight_bytes + kv_bytes);
-    const double roof_s = std::max((weight_bytes + kv_bytes) / bw, step_flops / flops);
-    const double fraction = roof_s / (c.batch / decode_tps);
+    const double roof_s = gpu ? (weight_bytes + kv_bytes) / bw : std::max((weight_bytes + kv_bytes) / bw, step_flops / flops);
+    const double fraction = bw > 0 ? roof_s / (c.batch / decode_tps) : 0;
     auto cell = [&](const std::vector<double>& mine, const std::vector<double>& ratio) {
       return Summary(mine, "%.0f") + (ratio.empty() ? std::string() : ", " + Summary(ratio, "%.2fx"));
     };
@@ -288,20 +343,26 @@ int RunEngineBench(const EngineBenchOptions& o) {
                     {"batch_prefill_ratio", Series(c.r_bpre)}, {"decode_ratio", Series(c.r_dec)},
                     {"decode_roofline_fraction", fraction},
                     {"roofline_bandwidth_Bps", bw},
-                    {"roofline_bound", (weight_bytes + kv_bytes) / bw >= step_flops / flops ? "memory" : "compute"}});
+                    {"roofline_bound", gpu || (weight_bytes + kv_bytes) / bw >= step_flops / flops ? "memory" : "compute"}});
   }
   if (!o.json_out.empty()) {
     std::ofstream(o.json_out) << json({{"read_bandwidth_Bps", read_bw}, {"copy_bandwidth_Bps", copy_bw},
                                        {"gemm_flops", gemm_flops}, {"roofline_flops", flops},
-                                       {"roofline_source", o.machine.empty() ? "own probes" : o.machine}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
+                                       {"roofline_source", gpu ? "--device_GBps" : o.machine.empty() ? "own probes" : o.machine},
+                                       {"device", o.device}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
                                        {"weights_dtype", cpu::WeightTypeName(o.weights)},
                                        {"kv_cache_dtype", cpu::KvTypeName(o.kv_type)},
                                        {"repetitions", o.reps}, {"results", rows}}).dump(2);
   }
-  std::printf("\nroofline: decode step time if bound only by reading weights + this batch's K/V at the read\n"
-              "bandwidth (with --machine: of the smallest measured working set that holds them), or by the\n"
-              "dense FLOPs at the arithmetic ceiling (--machine: the FMA peak; else relgen's GEMM), whichever\n"
-              "is larger; shown as a fraction of the measured step time.\n");
+  if (gpu) {
+    std::printf("\nroofline: decode step time if bound only by reading weights + this batch's K/V once at\n"
+                "--device_GBps, shown as a fraction of the measured step time.\n");
+  } else {
+    std::printf("\nroofline: decode step time if bound only by reading weights + this batch's K/V at the read\n"
+                "bandwidth (with --machine: of the smallest measured working set that holds them), or by the\n"
+                "dense FLOPs at the arithmetic ceiling (--machine: the FMA peak; else relgen's GEMM), whichever\n"
+                "is larger; shown as a fraction of the measured step time.\n");
+  }
   return 0;
 }
 

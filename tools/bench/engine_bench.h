@@ -1,5 +1,5 @@
-// relgen-bench engine: prefill and decode throughput of the CPU backend against a peer on the same
-// weights: CTranslate2 (tools/bench/ct2_peer.py) or the PyTorch reference (tools/torch_bench.py),
+// relgen-bench engine: prefill and decode throughput of the CPU (or CUDA) backend against a peer on
+// the same weights: CTranslate2 (tools/bench/ct2_peer.py) or the PyTorch reference (tools/torch_bench.py),
 // in interleaved repetitions, with the machine's ceilings and each result as a fraction of its
 // roofline.
 #pragma once
@@ -28,6 +28,11 @@ struct EngineBenchOptions {
   // A `relgen-bench machine --json` file: the roofline's bounds, measured apart from this run.
   // Empty: this run's own probes (then the roofline is not independent of the run).
   std::string machine;
+  // cpu (the CPU backend, threads as above) or cuda / cuda:N (through NewBackend; the peer must be
+  // torch, run on the same GPU, or none). The GPU's roofline takes its bandwidth from
+  // `device_gbps` (the card's nominal HBM figure, e.g. 3350 for an H100 SXM): 0 leaves it out.
+  std::string device = "cpu";
+  double device_gbps = 0;
 };
 
 int RunEngineBench(const EngineBenchOptions& options);

@@ -1,7 +1,8 @@
 // relgen-bench: engine micro-benchmarks (and, later, the serving load generator).
 //   relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]
 //   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0] [--sequential 1]
-//   relgen-bench engine --model DIR ...   (relgen vs CTranslate2 or the PyTorch reference, with rooflines)
+//   relgen-bench engine --model DIR ...   (relgen vs CTranslate2 or the PyTorch reference, with rooflines;
+//                                          --device cuda: the CUDA backend vs PyTorch on the same GPU)
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
 //   relgen-bench accuracy --model DIR ...   (bf16 / int8 weights against f32)
 //   relgen-bench machine [--json FILE]   (bandwidth by working set and FMA peak, for --machine)
@@ -29,6 +30,7 @@ int Usage() {
                "                           [--reps 3] [--peer ct2|torch|none] [--peer_python PATH]\n"
                "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
                "                           [--weights_dtype f32|bf16|int8] [--kv_cache_dtype f32|bf16] [--machine FILE]\n"
+               "                           [--device cpu|cuda[:N] [--device_GBps 3350]]   (cuda: --peer torch|none)\n"
                "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
@@ -114,6 +116,8 @@ int main(int argc, char** argv) {
       else if (f == "--weights_dtype") ok = relgen::cpu::ParseWeightType(v, &o.weights);
       else if (f == "--kv_cache_dtype") ok = relgen::cpu::ParseKvType(v, &o.kv_type);
       else if (f == "--machine") o.machine = v;
+      else if (f == "--device") ok = (o.device = v) == "cpu" || v == "cuda" || v.rfind("cuda:", 0) == 0;
+      else if (f == "--device_GBps") ok = absl::SimpleAtod(v, &o.device_gbps) && o.device_gbps > 0;
       else ok = false;
       if (!ok) return Usage();
     }
