@@ -54,6 +54,10 @@ ABSL_FLAG(std::string, weights_dtype, "f32",
 ABSL_FLAG(std::string, kv_cache_dtype, "f32",
           "how the K/V cache is stored (CPU and CUDA): f32, or bf16 (half the bytes: twice the tokens in the same "
           "memory, half the cache read per decode step); arithmetic stays float32");
+ABSL_FLAG(std::string, cuda_gemm, "invariant",
+          "the CUDA backend's projections: invariant (relgen's kernel: a row's bits never depend on the rows "
+          "batched with it; bias, activation and residual in the same launch) or cublas (cuBLAS SGEMM: faster "
+          "long prefills, rows may change with the batch)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_waiting, 1024, "queued requests at most; beyond, RESOURCE_EXHAUSTED");
@@ -175,6 +179,7 @@ int Main(int argc, char** argv) {
   o.threads = absl::GetFlag(FLAGS_threads);
   o.weights_dtype = absl::GetFlag(FLAGS_weights_dtype);
   o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
+  o.cuda_gemm = absl::GetFlag(FLAGS_cuda_gemm);
   o.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.max_waiting = absl::GetFlag(FLAGS_max_waiting);
@@ -295,6 +300,7 @@ int Main(int argc, char** argv) {
   dev.threads = o.threads;
   dev.weights_dtype = o.weights_dtype;
   dev.kv_cache_dtype = o.kv_cache_dtype;
+  dev.cuda_gemm = o.cuda_gemm;
   dev.max_step_tokens = o.max_batch_tokens;
   dev.max_step_seqs = o.max_num_seqs;
   auto backend = NewBackend(*model, dev);

@@ -236,38 +236,45 @@ std::vector<std::string> Cases() {
 
 class CudaParityTest : public ::testing::TestWithParam<std::string> {};
 
-// The CUDA backend's logits against the PyTorch goldens, whole and token by token.
+// The CUDA backend's logits against the PyTorch goldens, whole and token by token; with relgen's
+// projections (the default) and, at one length, with cuBLAS's.
 TEST_P(CudaParityTest, MatchesReference) {
   REQUIRE_GPU();
   const std::string dir = testing::GoldenDir() + "/" + GetParam();
   auto model = *Model::Load(dir);
-  auto backend = NewCudaBackend(model, KvCacheConfig{16, 64});
-  ASSERT_TRUE(backend.ok()) << backend.status();
   auto golden = *SafetensorsFile::Open(dir + "/golden.safetensors");
   const int vocab = model->config().vocab_size;
   // Emulated under a sanitizer: still past a KV block (16), whole and token by token.
   const std::vector<int> lengths = !kEmulated ? std::vector<int>{1, 17, 129}
                                    : kSanitized ? std::vector<int>{1, 17}
                                                 : std::vector<int>{1, 17, 64};
-  for (int len : lengths) {
-    const TensorInfo* t = golden->Find("tokens_" + std::to_string(len));
-    const TensorInfo* l = golden->Find("logits_" + std::to_string(len));
-    std::vector<int32_t> tokens(len);
-    std::memcpy(tokens.data(), t->data, len * sizeof(int32_t));
-    std::vector<double> want(l->numel());
-    std::memcpy(want.data(), l->data, l->nbytes);
-    std::vector<int32_t> table(16);
-    std::iota(table.begin(), table.end(), 0);
-    std::reverse(table.begin(), table.end());
-    for (int chunk : {len, 1}) {
-      std::vector<float> all, part;
-      for (int pos = 0; pos < len; pos += chunk) {
-        const int n = std::min(chunk, len - pos);
-        SequenceStep s{absl::MakeConstSpan(tokens).subspan(pos, n), pos, table, true};
-        ASSERT_TRUE((*backend)->Forward({&s, 1}, &part).ok());
-        all.insert(all.end(), part.begin(), part.end());
+  for (const bool cublas : {false, true}) {
+    SCOPED_TRACE(cublas ? "cuBLAS projections" : "relgen's projections");
+    CudaOptions o;
+    o.num_blocks = 64;
+    o.cublas_gemms = cublas;
+    auto backend = NewCudaBackend(model, o);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    for (int len : cublas ? std::vector<int>{17} : lengths) {
+      const TensorInfo* t = golden->Find("tokens_" + std::to_string(len));
+      const TensorInfo* l = golden->Find("logits_" + std::to_string(len));
+      std::vector<int32_t> tokens(len);
+      std::memcpy(tokens.data(), t->data, len * sizeof(int32_t));
+      std::vector<double> want(l->numel());
+      std::memcpy(want.data(), l->data, l->nbytes);
+      std::vector<int32_t> table(16);
+      std::iota(table.begin(), table.end(), 0);
+      std::reverse(table.begin(), table.end());
+      for (int chunk : {len, 1}) {
+        std::vector<float> all, part;
+        for (int pos = 0; pos < len; pos += chunk) {
+          const int n = std::min(chunk, len - pos);
+          SequenceStep s{absl::MakeConstSpan(tokens).subspan(pos, n), pos, table, true};
+          ASSERT_TRUE((*backend)->Forward({&s, 1}, &part).ok());
+          all.insert(all.end(), part.begin(), part.end());
+        }
+        testing::ExpectRowsClose(all.data(), want.data(), len, vocab, 1e-4, GetParam() + " chunk " + std::to_string(chunk));
       }
-      testing::ExpectRowsClose(all.data(), want.data(), len, vocab, 1e-4, GetParam() + " chunk " + std::to_string(chunk));
     }
   }
 }
@@ -692,6 +699,87 @@ TEST(CudaKernelsTest, WriteKvMatchesTheCpuPoolLayout) {
   for (void* d : {p16.k, p16.v}) cudaFree(d);
 }
 
+// cuda::Linear, the projections' kernel: every row's bits are the same whether it runs alone, in a
+// batch, or at another place in one (other rows per pass, per block); the values match a float64
+// product within float32 rounding; bias, activation, residual and alpha in the epilogue; three
+// products in one launch equal three launches. In-widths with 16-byte rows (64, 200: a lane's last
+// piece partly past the row's end) and without (7).
+TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
+  REQUIRE_GPU();
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd;
+  const int rows = 40, out = 37;  // 3 blocks of rows, a last warp with one output
+  for (const int in : {64, 200, 7}) {
+    SCOPED_TRACE("in " + std::to_string(in));
+    std::vector<float> x(size_t{rows} * in), w(size_t{3} * out * in), bias(3 * out), y0(size_t{rows} * out);
+    for (auto* v : {&x, &w, &bias, &y0}) {
+      for (float& e : *v) e = nd(rng);
+    }
+    float *dx = Upload(x), *dw = Upload(w), *db = Upload(bias);
+    struct Epilogue {
+      const float* bias;
+      int act;
+      bool residual;
+      float alpha;
+    };
+    for (const Epilogue e : {Epilogue{nullptr, -1, false, 1.f}, Epilogue{db, 1, false, 1.f}, Epilogue{db, 3, false, 1.f},
+                             Epilogue{db, -1, true, 1.f}, Epilogue{nullptr, -1, false, 0.125f}}) {
+      SCOPED_TRACE("act " + std::to_string(e.act) + (e.residual ? " residual" : "") + (e.bias ? " bias" : ""));
+      // Rows [first, first + n) as one launch, y starting from y0's rows.
+      auto run = [&](int first, int n) {
+        std::vector<float> got(size_t{n} * out);
+        float* dy = Upload(std::vector<float>(y0.begin() + size_t{first} * out, y0.begin() + size_t{first + n} * out));
+        EXPECT_EQ(cuda::Linear(dx + size_t{first} * in, n, in, dw, out, e.bias, e.act, e.residual, e.alpha, dy, nullptr),
+                  cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(got.data(), dy, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+        cudaFree(dy);
+        return got;
+      };
+      const std::vector<float> all = run(0, rows);
+      for (int r = 0; r < rows; ++r) {
+        for (int o = 0; o < out; ++o) {
+          double sum = 0, mag = 0;
+          for (int k = 0; k < in; ++k) {
+            sum += double(x[size_t{r} * in + k]) * w[size_t{o} * in + k];
+            mag += std::abs(double(x[size_t{r} * in + k]) * w[size_t{o} * in + k]);
+          }
+          double want = e.alpha * sum + (e.bias != nullptr ? bias[o] : 0.0);
+          if (e.act == 1) want = 0.5 * want * (1 + std::erf(want / std::sqrt(2.0)));
+          if (e.act == 3) want = want / (1 + std::exp(-want));
+          if (e.residual) want += y0[size_t{r} * out + o];
+          // Summation error of float32 at most about in * 2^-24 of the terms' magnitudes.
+          const double tol = (in + 16) * 6e-8 * (1 + mag + std::abs(y0[size_t{r} * out + o]));
+          ASSERT_NEAR(all[size_t{r} * out + o], want, tol) << "row " << r << ", output " << o;
+        }
+      }
+      for (const auto [first, n] : {std::pair{0, 1}, std::pair{5, 1}, std::pair{39, 1}, std::pair{3, 17}, std::pair{1, 38}}) {
+        const std::vector<float> part = run(first, n);
+        ASSERT_EQ(std::memcmp(part.data(), all.data() + size_t{first} * out, part.size() * sizeof(float)), 0)
+            << "rows " << first << ".." << first + n - 1 << " alone differ from the same rows in the batch of " << rows;
+      }
+    }
+    // Three products in one launch (a fused QKV): each equals its own launch, bit for bit.
+    const int64_t ystride = int64_t{rows} * out + 5;
+    float* dy3 = Upload(std::vector<float>(size_t(3 * ystride), NAN));
+    ASSERT_EQ(cuda::Linear(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr, 3, int64_t{out} * in, out, ystride),
+              cudaSuccess);
+    std::vector<float> three(size_t(3 * ystride)), one(size_t{rows} * out);
+    ASSERT_EQ(cudaMemcpy(three.data(), dy3, three.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    float* dy1 = Upload(one);
+    for (int z = 0; z < 3; ++z) {
+      ASSERT_EQ(cuda::Linear(dx, rows, in, dw + size_t{z} * out * in, out, db + z * out, -1, false, 1.f, dy1, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(one.data(), dy1, one.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
+      EXPECT_TRUE(std::isnan(three[z * ystride + size_t{rows} * out])) << "product " << z << " wrote past its rows";
+    }
+    for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3),
+                    static_cast<void*>(dy1)}) {
+      cudaFree(d);
+    }
+  }
+}
+
 // Attention's grid spanning more key splits than the rows need (as a captured decode graph's, sized
 // for max_seq_len) gives the same bits: split boundaries do not depend on the count, and an empty
 // split merges as nothing. Decode rows before, at and past the 512-key split, ALiBi's bias on.
@@ -928,8 +1016,12 @@ TEST(CudaEmulatorTest, CountsWork) {
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
   const ModelConfig& c = model->config();
   const int64_t before = simt::GetCounters().bytes_in_use;
-  {
-    auto backend = NewCudaBackend(model, KvCacheConfig{16, 8});
+  for (const bool cublas : {false, true}) {
+    SCOPED_TRACE(cublas ? "cuBLAS projections" : "relgen's projections");
+    CudaOptions o;
+    o.num_blocks = 8;
+    o.cublas_gemms = cublas;
+    auto backend = NewCudaBackend(model, o);
     ASSERT_TRUE(backend.ok()) << backend.status();
     simt::ResetCounters();
     const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
@@ -938,7 +1030,8 @@ TEST(CudaEmulatorTest, CountsWork) {
     std::vector<float> logits;
     ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
     const simt::Counters n = simt::GetCounters();
-    EXPECT_EQ(n.gemms, c.n_layers * (4 + (c.ffn_gated ? 3 : 2)) + 1);
+    // Every projection and the LM head: a cuBLAS GEMM, or none of them.
+    EXPECT_EQ(n.gemms, cublas ? c.n_layers * (4 + (c.ffn_gated ? 3 : 2)) + 1 : 0);
     EXPECT_GT(n.launches, 0);
     EXPECT_GT(n.syncthreads, 0);
     EXPECT_GT(n.warp_collectives, 0);
@@ -1003,15 +1096,35 @@ TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
     const bool first_of_size = i == 0 || i == 3;
     EXPECT_EQ(g.captured > 0, first_of_size) << "step " << i << ": a graph is captured once per batch size";
     EXPECT_EQ(g.gemms, d.gemms);
-    EXPECT_GT(d.host_launches, 30) << "launched kernel by kernel, a step is " << d.host_launches << " launches";
-    // Kernel by kernel, each layer's q, k and v are one strided-batched GEMM (three GEMMs run).
-    EXPECT_EQ(d.launches + d.gemms - d.host_launches, 2 * c.n_layers);
+    // Kernel by kernel (this pre-norm model with biases, keys in one split): the embedding; per
+    // layer the norm, one launch for q, k and v with their biases, WriteKv, attention, the output
+    // projection with its bias and the residual, the norm, the FFN's up (bias, GELU) and down (bias,
+    // residual); the kept rows, the final norm, the LM head.
+    ASSERT_FALSE(c.ffn_gated || c.norm_placement != NormPlacement::kPre || c.embedding_norm);
+    EXPECT_EQ(d.host_launches, 1 + 8 * c.n_layers + 3);
+    EXPECT_EQ(d.launches, d.host_launches);
+    EXPECT_EQ(d.gemms, 0);
     if (i == 0) std::printf("decode step of %d rows, launched kernel by kernel: %lld launches\n", batches[i],
                             static_cast<long long>(d.host_launches));
     EXPECT_EQ(g.launch_errors + d.launch_errors, 0);
     ++len_a;
     if (batches[i] == 2) ++len_b;
   }
+  // With cuBLAS projections, kernel by kernel: each projection a GEMM and a bias launch, q, k and v
+  // one strided-batched GEMM (three run) with one bias launch; 12 submissions per layer.
+  CudaOptions cublas_opts = off;
+  cublas_opts.cublas_gemms = true;
+  auto cublas = NewCudaBackend(model, cublas_opts);
+  ASSERT_TRUE(cublas.ok()) << cublas.status();
+  std::vector<float> x;
+  SequenceStep prefill{absl::MakeConstSpan(a).subspan(0, len_a), 0, table_a, false};
+  ASSERT_TRUE((*cublas)->Forward({&prefill, 1}, &x).ok());
+  simt::ResetCounters();
+  SequenceStep step{absl::MakeConstSpan(a).subspan(len_a, 1), len_a, table_a, false};
+  ASSERT_TRUE((*cublas)->Forward({&step, 1}, &x).ok());
+  const simt::Counters n = simt::GetCounters();
+  EXPECT_EQ(n.host_launches, 1 + 12 * c.n_layers + 3);
+  EXPECT_EQ(n.launches + n.gemms - n.host_launches, 2 * c.n_layers);
 }
 
 // An encoder-decoder forward as the emulator counts it: the step that encodes an input runs the
@@ -1029,8 +1142,12 @@ TEST(CudaEmulatorTest, T5CountsWorkAndReturnsMemory) {
   ASSERT_TRUE(c.encoder_decoder);
   const int ffn = c.ffn_gated ? 3 : 2;
   const int64_t before = simt::GetCounters().bytes_in_use;
-  {
-    auto backend = NewCudaBackend(model, KvCacheConfig{16, 8});
+  for (const bool cublas : {true, false}) {
+    SCOPED_TRACE(cublas ? "cuBLAS projections (counted as GEMMs)" : "relgen's projections (no GEMM)");
+    CudaOptions o;
+    o.num_blocks = 8;
+    o.cublas_gemms = cublas;
+    auto backend = NewCudaBackend(model, o);
     ASSERT_TRUE(backend.ok()) << backend.status();
     simt::ResetCounters();
     const std::vector<int32_t> input = {5, 9, 2, 44, 1}, dec = {c.decoder_start_token_id, 7}, self = {3}, cross = {6};
@@ -1044,7 +1161,7 @@ TEST(CudaEmulatorTest, T5CountsWorkAndReturnsMemory) {
     ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
     const int64_t decoder = c.n_layers * (4 + 2 + ffn) + 1;  // self q/k/v/o, cross q/o, FFN; lm_head
     simt::Counters n = simt::GetCounters();
-    EXPECT_EQ(n.gemms, c.n_encoder_layers * (4 + ffn) + 2 * c.n_layers + decoder);
+    EXPECT_EQ(n.gemms, cublas ? c.n_encoder_layers * (4 + ffn) + 2 * c.n_layers + decoder : 0);
     EXPECT_EQ(n.launch_errors, 0);
     EXPECT_EQ(n.stream_hazards, 0) << simt::LastFault();
     EXPECT_EQ(n.bytes_d2h, int64_t{c.vocab_size} * static_cast<int64_t>(sizeof(float)));
@@ -1054,7 +1171,7 @@ TEST(CudaEmulatorTest, T5CountsWorkAndReturnsMemory) {
     s.encoder_tokens = {};
     ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
     n = simt::GetCounters();
-    EXPECT_EQ(n.gemms, decoder) << "a decode step encodes nothing";
+    EXPECT_EQ(n.gemms, cublas ? decoder : 0) << "a decode step encodes nothing";
     EXPECT_EQ(n.launch_errors, 0);
     // An input without cross blocks for its K/V: refused, and the backend stays usable.
     s.cross_block_table = {};

@@ -51,6 +51,9 @@ from typing import NamedTuple
 #     Its dynamic shared memory (q, the warps' merge, each warp's tile of weights, row offsets and
 #     Shaw rows: AttentionSharedBytes), <= 7200 bytes per block at head_dim 256,
 #     allows far more than 6 blocks on either architecture, so registers are the binding limit.
+#   - LinearKernel (128 threads, the batch-invariant projection): a lane keeps 4 rows x 4 outputs
+#     of partial sums and four outputs' 16-byte weight loads in flight; at least 8 blocks = 32
+#     warps/SM (50%): R <= 65536/(8*128) = 64. Measured 56 (sm_80) and 54 (sm_90).
 #   - CombineKernel (64 threads, split-K merge, runs only when keys are split): at least 50%
 #     (32 warps = 16 blocks): R <= 65536/(16*64) = 64. Measured 32 (sm_80) and 40 (sm_90).
 # `stack` is the allowed stack frame (local memory) in bytes; spills are never allowed.
@@ -73,6 +76,7 @@ BUDGETS = {
     "WriteKvKernel": Budget(threads=64, regs=32),  # 100%: 32 blocks x 2 warps
     "AttentionKernel": Budget(threads=128, regs=80),  # >= 37.5%: 6 blocks x 4 warps; causal and bidirectional
     "CombineKernel": Budget(threads=64, regs=64),  # >= 50%: 16 blocks x 2 warps
+    "LinearKernel": Budget(threads=128, regs=64),  # >= 50%: 8 blocks x 4 warps (16 partial sums per lane)
     # kernels/cuda/relpos_device.cu
     "RelIndexKernel": Budget(threads=256, regs=32),  # 100% (16x16 blocks)
 }

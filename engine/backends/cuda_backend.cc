@@ -309,6 +309,11 @@ class CudaBackend final : public Backend {
   // the residual add as the GEMM's beta, no launch of its own. Row-major through column-major cuBLAS.
   absl::Status Linear(const float* x, int rows, int in, const std::string& w, int out, float* y, int act = -1,
                       bool residual = false) {
+    if (!options_.cublas_gemms) {
+      RELGEN_CUDA_RETURN(
+          cuda::Linear(x, rows, in, W(w + ".weight"), out, W(w + ".bias"), act, residual, 1.f, y, stream_));
+      return absl::OkStatus();
+    }
     const float one = 1.f, beta = residual ? 1.f : 0.f;
     RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &one, W(w + ".weight"), in, x, in,
                                      &beta, y, out));
@@ -335,10 +340,21 @@ class CudaBackend final : public Backend {
       }
       return absl::OkStatus();
     }
+    const float* bq = W(p + "attn.q.bias");
+    if (!options_.cublas_gemms) {
+      const bool fused_bias = bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w;
+      if (fused_bias || (bq == nullptr && W(p + "attn.k.bias") == nullptr && W(p + "attn.v.bias") == nullptr)) {
+        RELGEN_CUDA_RETURN(cuda::Linear(x, rows, d, wq, w, bq, -1, false, 1.f, q(), stream_, 3, wd, w, QkvStride()));
+        return absl::OkStatus();
+      }
+      for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
+        if (auto s = Linear(x, rows, d, p + name, w, out); !s.ok()) return s;
+      }
+      return absl::OkStatus();
+    }
     const float one = 1.f, zero = 0.f;
     RELGEN_CUBLAS_RETURN(cublasSgemmStridedBatched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, w, rows, d, &one, wq, d, wd, x, d,
                                                    0, &zero, q(), w, QkvStride(), 3));
-    const float* bq = W(p + "attn.q.bias");
     if (bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w) {
       RELGEN_CUDA_RETURN(cuda::BiasActivate(q(), rows, w, bq, -1, stream_, 3, QkvStride()));
       return absl::OkStatus();
@@ -669,6 +685,10 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
   }
   const float alpha = c.lm_head_input_scale, zero = 0.f;
   const float* head = c.tie_embeddings ? W("embed.weight") : W("lm_head.weight");
+  if (!options_.cublas_gemms) {
+    RELGEN_CUDA_RETURN(cuda::Linear(h_.f(), kept, d, head, c.vocab_size, nullptr, -1, false, alpha, logits_d_.f(), stream_));
+    return absl::OkStatus();
+  }
   RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &alpha, head, d, h_.f(),
                                    d, &zero, logits_d_.f(), c.vocab_size));
   return absl::OkStatus();

@@ -37,6 +37,12 @@ struct CudaOptions {
   // Decode steps (one new token per sequence, nothing to encode) run as a CUDA graph captured once
   // per batch size: one launch instead of one per kernel and GEMM. Outputs are the same bits.
   bool graphs = true;
+  // The projections (and the LM head): relgen's kernel (cuda::Linear), whose rows are batch
+  // invariant and which applies bias, activation and residual in the same launch; or cuBLAS SGEMM
+  // (`cublas_gemms`), which picks its algorithm, and so a row's order of summation, by the
+  // problem's shape (a row's bits may change with the rows beside it) and needs a launch of its own
+  // for bias and activation.
+  bool cublas_gemms = false;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, const CudaOptions& options);

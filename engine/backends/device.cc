@@ -29,6 +29,9 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
   if (!cpu::ParseWeightType(o.weights_dtype, &weights)) {
     return absl::InvalidArgumentError(absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed f32, bf16, int8"));
   }
+  if (o.cuda_gemm != "invariant" && o.cuda_gemm != "cublas") {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm ", o.cuda_gemm, ": allowed invariant, cublas"));
+  }
   cpu::KvType kv_type;
   if (!cpu::ParseKvType(o.kv_cache_dtype, &kv_type)) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype ", o.kv_cache_dtype, ": allowed f32, bf16"));
@@ -48,6 +51,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     CudaOptions co;
     co.device = index;
     co.kv_type = kv_type;
+    co.cublas_gemms = o.cuda_gemm == "cublas";
     co.block_size = o.kv_block_size;
     co.kv_memory_fraction = o.kv_cache_memory_fraction;
     co.max_step_tokens = o.max_step_tokens;

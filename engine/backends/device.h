@@ -18,6 +18,9 @@ struct DeviceOptions {
   int threads = 0;  // CPU threads
   std::string weights_dtype = "f32";  // dense weights: f32, or on the CPU bf16 / int8
   std::string kv_cache_dtype = "f32";  // K/V cache elements: f32 or bf16
+  // CUDA projections: "invariant" (relgen's kernel, rows batch invariant) or "cublas"
+  // (CudaOptions::cublas_gemms).
+  std::string cuda_gemm = "invariant";
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): a device
   // backend allocates its buffers at start.
   int max_step_tokens = 512;

@@ -75,6 +75,97 @@ __global__ void BiasActivateKernel(float* y, int64_t n, int cols, const float* b
   *at = Act(act, v);
 }
 
+constexpr int kLinWarps = 4;          // per block
+constexpr int kLinOuts = 4;           // outputs per warp
+constexpr int kLinRows = 4;           // rows a warp carries at once
+constexpr int kLinRowsPerBlock = 16;  // rows per block (grid.y)
+static_assert(kLinRows * kLinOuts == 16, "LinearKernel's reduction hands each lane pair one of 16 sums");
+
+// One warp per kLinOuts outputs, over kLinRowsPerBlock rows kLinRows at a time. A lane reads
+// 16-byte pieces of the weight rows (k = 4 * lane + 128 * i, each weight once per kLinRows rows)
+// and of the rows of x, and keeps one partial sum per (row, output); the warp then reduces all of
+// them in one fixed tree. A (row, output)'s chain of operations is the same whichever rows share
+// its pass or its block, which is what makes rows batch invariant.
+__global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, int rows, int in, const float* w,
+                                                               int out, const float* bias, int act, bool residual,
+                                                               float alpha, float* y, int64_t w_stride,
+                                                               int64_t bias_stride, int64_t y_stride) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int o0 = (blockIdx.x * kLinWarps + warp) * kLinOuts;
+  if (o0 >= out) return;  // no barrier below
+  w += blockIdx.z * w_stride;
+  y += blockIdx.z * y_stride;
+  if (bias != nullptr) bias += blockIdx.z * bias_stride;
+  const int r_end = min(rows, static_cast<int>(blockIdx.y + 1) * kLinRowsPerBlock);
+  const int live_outs = min(kLinOuts, out - o0);
+  for (int r0 = blockIdx.y * kLinRowsPerBlock; r0 < r_end; r0 += kLinRows) {
+    const int live_rows = min(kLinRows, r_end - r0);
+    float acc[kLinRows][kLinOuts];
+#pragma unroll
+    for (int rr = 0; rr < kLinRows; ++rr) {
+#pragma unroll
+      for (int o = 0; o < kLinOuts; ++o) acc[rr][o] = 0.f;
+    }
+    if ((in & 3) == 0) {  // rows start on 16 bytes
+      for (int k = 4 * lane; k < in; k += 128) {
+        float4 wv[kLinOuts];
+#pragma unroll
+        for (int o = 0; o < kLinOuts; ++o) {
+          wv[o] = o < live_outs ? *reinterpret_cast<const float4*>(w + int64_t{o0 + o} * in + k)
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int rr = 0; rr < kLinRows; ++rr) {
+          if (rr >= live_rows) break;
+          const float4 xv = *reinterpret_cast<const float4*>(x + int64_t{r0 + rr} * in + k);
+#pragma unroll
+          for (int o = 0; o < kLinOuts; ++o) {
+            acc[rr][o] += wv[o].x * xv.x;
+            acc[rr][o] += wv[o].y * xv.y;
+            acc[rr][o] += wv[o].z * xv.z;
+            acc[rr][o] += wv[o].w * xv.w;
+          }
+        }
+      }
+    } else {
+      for (int k = lane; k < in; k += 32) {
+        float wv[kLinOuts];
+#pragma unroll
+        for (int o = 0; o < kLinOuts; ++o) wv[o] = o < live_outs ? w[int64_t{o0 + o} * in + k] : 0.f;
+#pragma unroll
+        for (int rr = 0; rr < kLinRows; ++rr) {
+          if (rr >= live_rows) break;
+          const float xv = x[int64_t{r0 + rr} * in + k];
+#pragma unroll
+          for (int o = 0; o < kLinOuts; ++o) acc[rr][o] += wv[o] * xv;
+        }
+      }
+    }
+    // The 16 partial sums of each lane reduced over the warp in 16 shuffles (not 16 x 5): each
+    // halving step keeps half the values and adds the partner's half, so lane l ends holding the
+    // full sum of value (l >> 1) % 16, one fixed tree per value.
+    float* const v = &acc[0][0];
+#pragma unroll
+    for (int half = 8, bit = 16; half >= 1; half >>= 1, bit >>= 1) {
+      const bool upper = (lane & bit) != 0;
+#pragma unroll
+      for (int j = 0; j < half; ++j) {
+        const float mine = upper ? v[j + half] : v[j];
+        v[j] = mine + __shfl_xor_sync(0xffffffffu, upper ? v[j] : v[j + half], bit);
+      }
+    }
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
+    const int j = (lane >> 1) & 15, rr = j / kLinOuts, o = j % kLinOuts;
+    if ((lane & 1) == 0 && rr < live_rows && o < live_outs) {
+      float* const at = y + int64_t{r0 + rr} * out + o0 + o;
+      float val = alpha * v[0];
+      if (bias != nullptr) val += bias[o0 + o];
+      val = Act(act, val);
+      *at = residual ? *at + val : val;
+    }
+  }
+}
+
 __global__ void GatedKernel(int act, float* x, const float* gate, int64_t n) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i < n) x[i] = Act(act, x[i]) * gate[i];
@@ -384,6 +475,17 @@ cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int ac
   const int64_t n = int64_t{rows} * cols;
   if (n == 0 || batch == 0) return cudaSuccess;
   RELGEN_LAUNCH(BiasActivateKernel, Blocks(n * batch, 256), 256, 0, s)(y, n, cols, bias, act, batch, batch_stride);
+  return cudaGetLastError();
+}
+
+cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, const float* bias, int act, bool residual,
+                   float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride, int64_t bias_stride,
+                   int64_t y_stride) {
+  if (in < 1 || out < 1 || batch < 1) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const dim3 grid(Blocks(out, kLinWarps * kLinOuts), Blocks(rows, kLinRowsPerBlock), batch);
+  RELGEN_LAUNCH(LinearKernel, grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y, w_stride,
+                                                          bias_stride, y_stride);
   return cudaGetLastError();
 }
 

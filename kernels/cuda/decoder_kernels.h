@@ -65,6 +65,17 @@ cudaError_t Norm(bool layernorm, const float* x, int rows, int dim, const float*
 // matrices batch_stride floats apart, matrix b with bias[b * cols, ...] (a fused QKV projection).
 cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int activation, cudaStream_t stream,
                          int batch = 1, int64_t batch_stride = 0);
+// The projections: y[r, o] = act(alpha * sum_k x[r, k] * w[o, k] + bias[o]) for r < rows, o < out,
+// then (with `residual`) plus y's old value; x [rows, in], w [out, in] row-major as the model stores
+// it, bias may be null, activation as BiasActivate's. Each output is one fixed chain of
+// multiply-adds whatever `rows` is (per lane a sum over k in a fixed order, then a fixed butterfly
+// over the warp), so a row's result does not depend on the rows beside it: the batch-invariant
+// GEMM (cuBLAS picks its algorithm, and so a row's order of summation, by the problem's shape).
+// With batch > 1, `batch` products in one launch: product z reads the same x, w + z * w_stride and
+// bias + z * bias_stride, and writes y + z * y_stride (a fused QKV projection). (cpu::Linear.)
+cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, const float* bias, int activation,
+                   bool residual, float alpha, float* y, cudaStream_t stream, int batch = 1, int64_t w_stride = 0,
+                   int64_t bias_stride = 0, int64_t y_stride = 0);
 // x = act(x) * gate (cpu::ActivateGated).
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
