@@ -389,12 +389,13 @@ TEST(DeviceWeightsTest, CpuStoresTheAskedType) {
   EXPECT_NEAR(double(weights["int8"] - original) / (weights["f32"] - original), 0.25, 0.02);
 }
 
-// Storage type names NewBackend does not know are refused with the allowed ones.
+// Storage type (and CUDA projection) names NewBackend does not know are refused with the allowed ones.
 TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
   for (const auto& [field, name, message] :
        {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed f32, bf16, int8"},
-        std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed f32, bf16"}}) {
+        std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed f32, bf16"},
+        std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed invariant, cublas"}}) {
     DeviceOptions o;
     o.device = "cpu";
     o.kv_cache_tokens = 1024;
