@@ -234,6 +234,38 @@ std::vector<std::string> Cases() {
   return out;
 }
 
+// A golden case's first `len` tokens and their float64 logits [len, vocab].
+struct Golden {
+  std::vector<int32_t> tokens;
+  std::vector<double> logits;
+};
+Golden LoadGolden(const std::string& dir, int len) {
+  auto file = *SafetensorsFile::Open(dir + "/golden.safetensors");
+  const TensorInfo* t = file->Find("tokens_" + std::to_string(len));
+  const TensorInfo* l = file->Find("logits_" + std::to_string(len));
+  Golden g{std::vector<int32_t>(len), std::vector<double>(l->numel())};
+  std::memcpy(g.tokens.data(), t->data, len * sizeof(int32_t));
+  std::memcpy(g.logits.data(), l->data, l->nbytes);
+  return g;
+}
+
+// Every position's logits of `tokens`, fed `chunk` tokens per Forward through a reversed block
+// table of 16 blocks.
+std::vector<float> ForwardInChunks(Backend& backend, const std::vector<int32_t>& tokens, int chunk) {
+  std::vector<int32_t> table(16);
+  std::iota(table.begin(), table.end(), 0);
+  std::reverse(table.begin(), table.end());
+  std::vector<float> all, part;
+  const int len = static_cast<int>(tokens.size());
+  for (int pos = 0; pos < len; pos += chunk) {
+    const int n = std::min(chunk, len - pos);
+    SequenceStep s{absl::MakeConstSpan(tokens).subspan(pos, n), pos, table, true};
+    EXPECT_TRUE(backend.Forward({&s, 1}, &part).ok());
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
 class CudaParityTest : public ::testing::TestWithParam<std::string> {};
 
 // The CUDA backend's logits against the PyTorch goldens, whole and token by token; with relgen's
@@ -242,7 +274,6 @@ TEST_P(CudaParityTest, MatchesReference) {
   REQUIRE_GPU();
   const std::string dir = testing::GoldenDir() + "/" + GetParam();
   auto model = *Model::Load(dir);
-  auto golden = *SafetensorsFile::Open(dir + "/golden.safetensors");
   const int vocab = model->config().vocab_size;
   // Emulated under a sanitizer: still past a KV block (16), whole and token by token.
   const std::vector<int> lengths = !kEmulated ? std::vector<int>{1, 17, 129}
@@ -256,24 +287,11 @@ TEST_P(CudaParityTest, MatchesReference) {
     auto backend = NewCudaBackend(model, o);
     ASSERT_TRUE(backend.ok()) << backend.status();
     for (int len : cublas ? std::vector<int>{17} : lengths) {
-      const TensorInfo* t = golden->Find("tokens_" + std::to_string(len));
-      const TensorInfo* l = golden->Find("logits_" + std::to_string(len));
-      std::vector<int32_t> tokens(len);
-      std::memcpy(tokens.data(), t->data, len * sizeof(int32_t));
-      std::vector<double> want(l->numel());
-      std::memcpy(want.data(), l->data, l->nbytes);
-      std::vector<int32_t> table(16);
-      std::iota(table.begin(), table.end(), 0);
-      std::reverse(table.begin(), table.end());
+      const Golden g = LoadGolden(dir, len);
       for (int chunk : {len, 1}) {
-        std::vector<float> all, part;
-        for (int pos = 0; pos < len; pos += chunk) {
-          const int n = std::min(chunk, len - pos);
-          SequenceStep s{absl::MakeConstSpan(tokens).subspan(pos, n), pos, table, true};
-          ASSERT_TRUE((*backend)->Forward({&s, 1}, &part).ok());
-          all.insert(all.end(), part.begin(), part.end());
-        }
-        testing::ExpectRowsClose(all.data(), want.data(), len, vocab, 1e-4, GetParam() + " chunk " + std::to_string(chunk));
+        const std::vector<float> all = ForwardInChunks(**backend, g.tokens, chunk);
+        testing::ExpectRowsClose(all.data(), g.logits.data(), len, vocab, 1e-4,
+                                 GetParam() + " chunk " + std::to_string(chunk));
       }
     }
   }
@@ -300,29 +318,14 @@ TEST_P(CudaParityTest, Bf16CacheMatchesCpuTwin) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   auto twin = NewCpuBackend(model, KvCacheConfig{16, 64}, 1, cpu::WeightType::kF32, cpu::KvType::kBf16);
   ASSERT_TRUE(twin.ok()) << twin.status();
-  auto golden = *SafetensorsFile::Open(dir + "/golden.safetensors");
   const int vocab = model->config().vocab_size;
   const int len = kSanitized ? 17 : 64;
-  const TensorInfo* t = golden->Find("tokens_" + std::to_string(len));
-  const TensorInfo* l = golden->Find("logits_" + std::to_string(len));
-  std::vector<int32_t> tokens(len);
-  std::memcpy(tokens.data(), t->data, len * sizeof(int32_t));
-  std::vector<double> want(l->numel());
-  std::memcpy(want.data(), l->data, l->nbytes);
-  std::vector<int32_t> table(16);
-  std::iota(table.begin(), table.end(), 0);
-  std::reverse(table.begin(), table.end());
+  const Golden g = LoadGolden(dir, len);
+  const std::vector<double>& want = g.logits;
   for (int chunk : {len, 1}) {
     const std::string what = GetParam() + " chunk " + std::to_string(chunk);
-    std::vector<float> all, cpu_all, part;
-    for (int pos = 0; pos < len; pos += chunk) {
-      const int n = std::min(chunk, len - pos);
-      SequenceStep s{absl::MakeConstSpan(tokens).subspan(pos, n), pos, table, true};
-      ASSERT_TRUE((*backend)->Forward({&s, 1}, &part).ok());
-      all.insert(all.end(), part.begin(), part.end());
-      ASSERT_TRUE((*twin)->Forward({&s, 1}, &part).ok());
-      cpu_all.insert(cpu_all.end(), part.begin(), part.end());
-    }
+    const std::vector<float> all = ForwardInChunks(**backend, g.tokens, chunk);
+    const std::vector<float> cpu_all = ForwardInChunks(**twin, g.tokens, chunk);
     const std::vector<double> cpu_wide(cpu_all.begin(), cpu_all.end());
     double moved = 0;
     for (size_t i = 0; i < all.size(); ++i) moved = std::max(moved, std::abs(all[i] - want[i]));
@@ -711,7 +714,7 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
   const int rows = 40, out = 37;  // 3 blocks of rows, a last warp with one output
   for (const int in : {64, 200, 7}) {
     SCOPED_TRACE("in " + std::to_string(in));
-    std::vector<float> x(size_t{rows} * in), w(size_t{3} * out * in), bias(3 * out), y0(size_t{rows} * out);
+    std::vector<float> x(size_t(rows) * in), w(size_t(3) * out * in), bias(3 * out), y0(size_t(rows) * out);
     for (auto* v : {&x, &w, &bias, &y0}) {
       for (float& e : *v) e = nd(rng);
     }
@@ -727,9 +730,9 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
       SCOPED_TRACE("act " + std::to_string(e.act) + (e.residual ? " residual" : "") + (e.bias ? " bias" : ""));
       // Rows [first, first + n) as one launch, y starting from y0's rows.
       auto run = [&](int first, int n) {
-        std::vector<float> got(size_t{n} * out);
-        float* dy = Upload(std::vector<float>(y0.begin() + size_t{first} * out, y0.begin() + size_t{first + n} * out));
-        EXPECT_EQ(cuda::Linear(dx + size_t{first} * in, n, in, dw, out, e.bias, e.act, e.residual, e.alpha, dy, nullptr),
+        std::vector<float> got(size_t(n) * out);
+        float* dy = Upload(std::vector<float>(y0.begin() + size_t(first) * out, y0.begin() + size_t(first + n) * out));
+        EXPECT_EQ(cuda::Linear(dx + size_t(first) * in, n, in, dw, out, e.bias, e.act, e.residual, e.alpha, dy, nullptr),
                   cudaSuccess);
         EXPECT_EQ(cudaMemcpy(got.data(), dy, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
         cudaFree(dy);
@@ -740,21 +743,21 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
         for (int o = 0; o < out; ++o) {
           double sum = 0, mag = 0;
           for (int k = 0; k < in; ++k) {
-            sum += double(x[size_t{r} * in + k]) * w[size_t{o} * in + k];
-            mag += std::abs(double(x[size_t{r} * in + k]) * w[size_t{o} * in + k]);
+            sum += double(x[size_t(r) * in + k]) * w[size_t(o) * in + k];
+            mag += std::abs(double(x[size_t(r) * in + k]) * w[size_t(o) * in + k]);
           }
           double want = e.alpha * sum + (e.bias != nullptr ? bias[o] : 0.0);
           if (e.act == 1) want = 0.5 * want * (1 + std::erf(want / std::sqrt(2.0)));
           if (e.act == 3) want = want / (1 + std::exp(-want));
-          if (e.residual) want += y0[size_t{r} * out + o];
+          if (e.residual) want += y0[size_t(r) * out + o];
           // Summation error of float32 at most about in * 2^-24 of the terms' magnitudes.
-          const double tol = (in + 16) * 6e-8 * (1 + mag + std::abs(y0[size_t{r} * out + o]));
-          ASSERT_NEAR(all[size_t{r} * out + o], want, tol) << "row " << r << ", output " << o;
+          const double tol = (in + 16) * 6e-8 * (1 + mag + std::abs(y0[size_t(r) * out + o]));
+          ASSERT_NEAR(all[size_t(r) * out + o], want, tol) << "row " << r << ", output " << o;
         }
       }
       for (const auto [first, n] : {std::pair{0, 1}, std::pair{5, 1}, std::pair{39, 1}, std::pair{3, 17}, std::pair{1, 38}}) {
         const std::vector<float> part = run(first, n);
-        ASSERT_EQ(std::memcmp(part.data(), all.data() + size_t{first} * out, part.size() * sizeof(float)), 0)
+        ASSERT_EQ(std::memcmp(part.data(), all.data() + size_t(first) * out, part.size() * sizeof(float)), 0)
             << "rows " << first << ".." << first + n - 1 << " alone differ from the same rows in the batch of " << rows;
       }
     }
@@ -763,15 +766,15 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
     float* dy3 = Upload(std::vector<float>(size_t(3 * ystride), NAN));
     ASSERT_EQ(cuda::Linear(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr, 3, int64_t{out} * in, out, ystride),
               cudaSuccess);
-    std::vector<float> three(size_t(3 * ystride)), one(size_t{rows} * out);
+    std::vector<float> three(size_t(3 * ystride)), one(size_t(rows) * out);
     ASSERT_EQ(cudaMemcpy(three.data(), dy3, three.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
     float* dy1 = Upload(one);
     for (int z = 0; z < 3; ++z) {
-      ASSERT_EQ(cuda::Linear(dx, rows, in, dw + size_t{z} * out * in, out, db + z * out, -1, false, 1.f, dy1, nullptr),
+      ASSERT_EQ(cuda::Linear(dx, rows, in, dw + size_t(z) * out * in, out, db + z * out, -1, false, 1.f, dy1, nullptr),
                 cudaSuccess);
       ASSERT_EQ(cudaMemcpy(one.data(), dy1, one.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
       ASSERT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
-      EXPECT_TRUE(std::isnan(three[z * ystride + size_t{rows} * out])) << "product " << z << " wrote past its rows";
+      EXPECT_TRUE(std::isnan(three[z * ystride + size_t(rows) * out])) << "product " << z << " wrote past its rows";
     }
     for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3),
                     static_cast<void*>(dy1)}) {
