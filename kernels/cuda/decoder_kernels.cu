@@ -79,20 +79,24 @@ constexpr int kLinWarps = 4;          // per block
 constexpr int kLinOuts = 4;           // outputs per warp
 constexpr int kLinRows = 4;           // rows a warp carries at once
 constexpr int kLinRowsPerBlock = 16;  // rows per block (grid.y)
-static_assert(kLinRows * kLinOuts == 16, "LinearKernel's reduction hands each lane pair one of 16 sums");
+static_assert(kLinRows * kLinOuts <= 32, "LinearKernel: one lane adds up each (row, output)");
 
 // One warp per kLinOuts outputs, over kLinRowsPerBlock rows kLinRows at a time. A lane reads
 // 16-byte pieces of the weight rows (k = 4 * lane + 128 * i, each weight once per kLinRows rows)
-// and of the rows of x, and keeps one partial sum per (row, output); the warp then reduces all of
-// them in one fixed tree. A (row, output)'s chain of operations is the same whichever rows share
-// its pass or its block, which is what makes rows batch invariant.
+// and of the rows of x, and keeps one partial sum per (row, output); the warp then hands the 16
+// partial sums of every lane through shared memory and lane j < 16 adds the 32 of sum j in lane
+// order. A (row, output)'s chain of operations is the same whichever rows share its pass or its
+// block, which is what makes rows batch invariant.
+constexpr int kLinSums = kLinRows * kLinOuts;
 __global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, int rows, int in, const float* w,
                                                                int out, const float* bias, int act, bool residual,
                                                                float alpha, float* y, int64_t w_stride,
                                                                int64_t bias_stride, int64_t y_stride) {
+  // Per warp [kLinSums][33]: sum j's 32 partials in a row, padded against bank conflicts.
+  __shared__ float partial[kLinWarps][kLinSums][33];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int o0 = (blockIdx.x * kLinWarps + warp) * kLinOuts;
-  if (o0 >= out) return;  // no barrier below
+  if (o0 >= out) return;  // no block-wide barrier below
   w += blockIdx.z * w_stride;
   y += blockIdx.z * y_stride;
   if (bias != nullptr) bias += blockIdx.z * bias_stride;
@@ -100,12 +104,9 @@ __global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, i
   const int live_outs = min(kLinOuts, out - o0);
   for (int r0 = blockIdx.y * kLinRowsPerBlock; r0 < r_end; r0 += kLinRows) {
     const int live_rows = min(kLinRows, r_end - r0);
-    float acc[kLinRows][kLinOuts];
+    float acc[kLinSums];  // [row][output]
 #pragma unroll
-    for (int rr = 0; rr < kLinRows; ++rr) {
-#pragma unroll
-      for (int o = 0; o < kLinOuts; ++o) acc[rr][o] = 0.f;
-    }
+    for (int j = 0; j < kLinSums; ++j) acc[j] = 0.f;
     if ((in & 3) == 0) {  // rows start on 16 bytes
       for (int k = 4 * lane; k < in; k += 128) {
         float4 wv[kLinOuts];
@@ -120,10 +121,11 @@ __global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, i
           const float4 xv = *reinterpret_cast<const float4*>(x + int64_t{r0 + rr} * in + k);
 #pragma unroll
           for (int o = 0; o < kLinOuts; ++o) {
-            acc[rr][o] += wv[o].x * xv.x;
-            acc[rr][o] += wv[o].y * xv.y;
-            acc[rr][o] += wv[o].z * xv.z;
-            acc[rr][o] += wv[o].w * xv.w;
+            float& a = acc[rr * kLinOuts + o];
+            a += wv[o].x * xv.x;
+            a += wv[o].y * xv.y;
+            a += wv[o].z * xv.z;
+            a += wv[o].w * xv.w;
           }
         }
       }
@@ -137,32 +139,24 @@ __global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, i
           if (rr >= live_rows) break;
           const float xv = x[int64_t{r0 + rr} * in + k];
 #pragma unroll
-          for (int o = 0; o < kLinOuts; ++o) acc[rr][o] += wv[o] * xv;
+          for (int o = 0; o < kLinOuts; ++o) acc[rr * kLinOuts + o] += wv[o] * xv;
         }
       }
     }
-    // The 16 partial sums of each lane reduced over the warp in 16 shuffles (not 16 x 5): each
-    // halving step keeps half the values and adds the partner's half, so lane l ends holding the
-    // full sum of value (l >> 1) % 16, one fixed tree per value.
-    float* const v = &acc[0][0];
 #pragma unroll
-    for (int half = 8, bit = 16; half >= 1; half >>= 1, bit >>= 1) {
-      const bool upper = (lane & bit) != 0;
-#pragma unroll
-      for (int j = 0; j < half; ++j) {
-        const float mine = upper ? v[j + half] : v[j];
-        v[j] = mine + __shfl_xor_sync(0xffffffffu, upper ? v[j] : v[j + half], bit);
-      }
-    }
-    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
-    const int j = (lane >> 1) & 15, rr = j / kLinOuts, o = j % kLinOuts;
-    if ((lane & 1) == 0 && rr < live_rows && o < live_outs) {
+    for (int j = 0; j < kLinSums; ++j) partial[warp][j][lane] = acc[j];
+    __syncwarp();
+    const int rr = lane / kLinOuts, o = lane % kLinOuts;
+    if (lane < kLinSums && rr < live_rows && o < live_outs) {
+      float sum = 0.f;
+      for (int l = 0; l < 32; ++l) sum += partial[warp][lane][l];
       float* const at = y + int64_t{r0 + rr} * out + o0 + o;
-      float val = alpha * v[0];
+      float val = alpha * sum;
       if (bias != nullptr) val += bias[o0 + o];
       val = Act(act, val);
       *at = residual ? *at + val : val;
     }
+    __syncwarp();  // the next pass overwrites what lanes may still read
   }
 }
 
