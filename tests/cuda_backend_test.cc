@@ -169,6 +169,33 @@ TEST_P(CudaAttentionTest, MatchesCpuTwin) {
   cuda::Rows r{L, Upload(position), Upload(offset), Upload(table)};
   float* dq = Upload(q);
   float *dk = Upload(k), *dv = Upload(v);
+  // A step of mixed rows for the tiled (prefill) kernel: runs of this sequence's rows (A), of a
+  // second sequence B reading the same pool through another block table, and single rows, so that
+  // the kernel's 4-row blocks straddle sequences, and (local attention) window starts.
+  std::vector<int32_t> table_b = table;
+  std::shuffle(table_b.begin(), table_b.end(), rng);
+  std::vector<int32_t> both = table;
+  both.insert(both.end(), table_b.begin(), table_b.end());
+  std::vector<int32_t> mixed_position, mixed_offset;
+  auto add = [&](int from, int to, int seq) {
+    for (int pos = from; pos < std::min(to, L); ++pos) {
+      mixed_position.push_back(pos);
+      mixed_offset.push_back(seq * nblocks);
+    }
+  };
+  if (!OnThreads()) {  // there a block is 128 OS threads: the whole sequence's tiles only
+    add(3, 43, 0);
+    add(0, 6, 1);
+    add(L - 1, L, 0);
+    add(L / 2, L / 2 + 1, 0);
+    add(std::max(0, L - 7), L, 1);
+    add(0, 3, 0);
+  }
+  const int M = static_cast<int>(mixed_position.size());
+  std::vector<float> mixed_q;
+  for (const int pos : mixed_position) mixed_q.insert(mixed_q.end(), q.begin() + size_t(pos) * W, q.begin() + size_t(pos + 1) * W);
+  cuda::Rows mixed{M, Upload(mixed_position), Upload(mixed_offset), Upload(both)};
+  float* dmq = Upload(mixed_q);
   for (const cuda::KvElem type : {cuda::KvElem::kF32, cuda::KvElem::kBf16}) {
     const bool bf16 = type == cuda::KvElem::kBf16;
     SCOPED_TRACE(bf16 ? "bf16 cache" : "f32 cache");
@@ -183,7 +210,7 @@ TEST_P(CudaAttentionTest, MatchesCpuTwin) {
     std::vector<int> splits = {OnThreads() ? 4 : kEmulated ? 32 : 128};
     if (!OnThreads()) splits.push_back(L);
     for (const int kps : splits) {
-      float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(L, H, hd, L, kps), 1)));
+      float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(std::max(L, M), H, hd, L, kps), 1)));
       float* dout = Upload(std::vector<float>(size_t(L) * W, NAN));
       ASSERT_EQ(cuda::Attention(dq, r, L, 0.125f, grel, pool, dout, work, kps, nullptr), cudaSuccess);
       std::vector<float> got(size_t(L) * W);
@@ -197,6 +224,29 @@ TEST_P(CudaAttentionTest, MatchesCpuTwin) {
         moved = std::max(moved, std::abs(double(got[i]) - want32[i]));
       }
       if (bf16) EXPECT_GT(moved, 1e-4) << "the bf16 cache in effect";
+      // The tiled kernel: every row bit for bit the per-row kernel's, over the whole sequence and
+      // over the mixed step; the per-row kernel's rows of A there are those of the sequence alone.
+      auto run = [&](const float* dq_rows, const cuda::Rows& rows, int n, bool tiled) {
+        float* o = Upload(std::vector<float>(size_t(n) * W, NAN));
+        EXPECT_EQ(cuda::Attention(dq_rows, rows, L, 0.125f, grel, pool, o, work, kps, nullptr, tiled), cudaSuccess);
+        std::vector<float> host(size_t(n) * W);
+        EXPECT_EQ(cudaMemcpy(host.data(), o, host.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+        cudaFree(o);
+        return host;
+      };
+      const std::vector<float> tiled = run(dq, r, L, true);
+      ASSERT_EQ(std::memcmp(tiled.data(), got.data(), got.size() * sizeof(float)), 0) << "keys per split " << kps;
+      if (M > 0) {
+        const std::vector<float> mixed_rows = run(dmq, mixed, M, false), mixed_tiled = run(dmq, mixed, M, true);
+        for (int i = 0; i < M; ++i) {
+          SCOPED_TRACE(::testing::Message() << "keys per split " << kps << ", mixed row " << i << " (position "
+                                            << mixed_position[i] << (mixed_offset[i] > 0 ? ", B)" : ", A)"));
+          ASSERT_EQ(std::memcmp(&mixed_tiled[size_t(i) * W], &mixed_rows[size_t(i) * W], W * sizeof(float)), 0);
+          if (mixed_offset[i] == 0) {
+            ASSERT_EQ(std::memcmp(&mixed_rows[size_t(i) * W], &got[size_t(mixed_position[i]) * W], W * sizeof(float)), 0);
+          }
+        }
+      }
       cudaFree(work);
       cudaFree(dout);
     }
@@ -288,10 +338,17 @@ TEST_P(CudaParityTest, MatchesReference) {
     ASSERT_TRUE(backend.ok()) << backend.status();
     for (int len : cublas ? std::vector<int>{17} : lengths) {
       const Golden g = LoadGolden(dir, len);
+      std::vector<std::vector<float>> runs;
       for (int chunk : {len, 1}) {
-        const std::vector<float> all = ForwardInChunks(**backend, g.tokens, chunk);
-        testing::ExpectRowsClose(all.data(), g.logits.data(), len, vocab, 1e-4,
+        runs.push_back(ForwardInChunks(**backend, g.tokens, chunk));
+        testing::ExpectRowsClose(runs.back().data(), g.logits.data(), len, vocab, 1e-4,
                                  GetParam() + " chunk " + std::to_string(chunk));
+      }
+      // relgen's projections and the tiled prefill attention keep every row's arithmetic whatever
+      // rows run beside it: one prefill and token-by-token decode give the same bits.
+      if (!cublas) {
+        EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0)
+            << GetParam() << " length " << len << ": prefill and decode differ";
       }
     }
   }

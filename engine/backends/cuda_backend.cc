@@ -229,6 +229,9 @@ class CudaBackend final : public Backend {
   // A step's rows on the device (metadata uploaded) and the key counts its attention grids span.
   struct StepRows {
     int total = 0, kept = 0, max_keys = 1, max_input = 1;
+    // Some sequence brings several rows (prefill): attention through the tiled kernel, which reads
+    // a K/V row once for a chunk's rows (the same bits as the per-row kernel decode uses).
+    bool tiled = false;
     const int32_t* tokens = nullptr;
     const int32_t* keep = nullptr;
     cuda::Rows rows, cross_rows;
@@ -631,6 +634,7 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   }
   // Decode: one new token per sequence, only the last logits kept, nothing encoded.
   const bool decode = encoded == 0 && kept == total && total == static_cast<int>(steps.size());
+  step.tiled = total > static_cast<int>(steps.size());
   if (auto s = decode && options_.graphs ? DecodeGraph(step) : Decoder(step); !s.ok()) return s;
   logits->resize(int64_t{kept} * c.vocab_size);
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_d_.ptr, logits->size() * sizeof(float),
@@ -662,7 +666,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
     const cuda::KvPool pool = Pool(l);
     RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
     RELGEN_CUDA_RETURN(cuda::Attention(q(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
-                                       kKeysPerSplit, stream_));
+                                       kKeysPerSplit, stream_, s.tiled));
     if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, x_.f(), -1, true); !st.ok()) return st;
     if (!pre) {
       if (auto st = Norm(x_.f(), total, p + "attn_norm", x_.f()); !st.ok()) return st;
@@ -672,7 +676,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
       if (auto st = Norm(x_.f(), total, p + "cross_norm", h_.f()); !st.ok()) return st;
       if (auto st = Linear(h_.f(), total, d, p + "cross.q", w, q()); !st.ok()) return st;
       RELGEN_CUDA_RETURN(cuda::Attention(q(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
-                                         att_.f(), work_.f(), kKeysPerSplit, stream_));
+                                         att_.f(), work_.f(), kKeysPerSplit, stream_, s.tiled));
       if (auto st = Linear(att_.f(), total, w, p + "cross.o", d, x_.f(), -1, true); !st.ok()) return st;
     }
     if (auto st = FeedForward(p, total); !st.ok()) return st;

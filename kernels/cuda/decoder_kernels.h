@@ -91,17 +91,22 @@ cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const fl
 // `keys_per_split` processed by separate blocks and merged (split-K / flash-decoding), which
 // needs `workspace` of rows * heads * splits * (head_dim + 2) floats (see AttentionWorkspace).
 // q, out [rows, n_heads*head_dim] (cpu::AttentionPrefill / cpu::AttentionDecode).
+// `tiled` (for prefill): a block takes 4 rows and reads each K/V row once for the rows in it that
+// read the same keys (one sequence's chunk), instead of once per row; every row's output is the
+// per-row kernel's bit for bit, whatever rows sit beside it. Decode (one row per sequence) wants the
+// per-row kernel: a block per row, more blocks in flight.
 cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
-                      const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t stream);
+                      const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t stream,
+                      bool tiled = false);
 int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, int keys_per_split);
 // Bidirectional self-attention (an encoder; cpu::AttentionBidirectional): row r, at position
 // rows.position[r], attends every key 0..rows.keys[r]-1 of its sequence's cache, before and after
 // it, with no causal mask. Relative terms: kNone, or kT5 with `t5_bucket_of_distance` the signed
 // table (relpos::T5SignedBucketTable: entry key_pos - query_pos + t5_table_len/2, clamped at both
 // ends); any other scheme is cudaErrorInvalidValue. Splits, workspace and `max_keys` (the largest
-// keys[r]) as Attention's.
+// keys[r]) and `tiled` as Attention's.
 cudaError_t AttentionBidirectional(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
                                    const KvPool& kv, float* out, float* workspace, int keys_per_split,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, bool tiled = true);
 
 }  // namespace relgen::cuda
