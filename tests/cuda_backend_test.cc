@@ -392,6 +392,58 @@ TEST_P(CudaParityTest, Bf16CacheMatchesCpuTwin) {
   }
 }
 
+// bf16 weights end to end, whole and token by token: the CUDA backend's logits against the CPU
+// backend's with bf16 weights (one rounding rule for the weights, float32 sums in both, in different
+// orders: 1e-4 of the row's largest logit, as the float32 parity), moved from the float32 model's
+// golden (the weights' type in effect) or, for goldens stored in bf16, bitwise the float32 weights'
+// logits; and prefill equal to decode bit for bit.
+TEST_P(CudaParityTest, Bf16WeightsMatchCpuTwin) {
+  REQUIRE_GPU();
+  const std::string dir = testing::GoldenDir() + "/" + GetParam();
+  auto model = *Model::Load(dir);
+  CudaOptions o;
+  o.num_blocks = 64;
+  o.weight_type = cpu::WeightType::kBf16;
+  auto backend = NewCudaBackend(model, o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto twin = NewCpuBackend(model, KvCacheConfig{16, 64}, 1, cpu::WeightType::kBf16, cpu::KvType::kF32);
+  ASSERT_TRUE(twin.ok()) << twin.status();
+  CudaOptions f32_options;
+  f32_options.num_blocks = 64;
+  auto plain = NewCudaBackend(model, f32_options);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  // Some goldens are stored in bf16 (checkpoint dtype): their weights round to themselves.
+  const ModelConfig& c = model->config();
+  const float* wq = model->layer(0).wq;
+  bool stored_bf16 = true;
+  for (int64_t i = 0; i < int64_t{c.qkv_width()} * c.d_model; ++i) stored_bf16 &= testing::Bf16Value(wq[i]) == wq[i];
+  const int vocab = c.vocab_size;
+  const int len = 17;
+  const Golden g = LoadGolden(dir, len);
+  std::vector<std::vector<float>> runs;
+  for (int chunk : {len, 1}) {
+    const std::string what = GetParam() + " chunk " + std::to_string(chunk);
+    runs.push_back(ForwardInChunks(**backend, g.tokens, chunk));
+    const std::vector<float>& all = runs.back();
+    const std::vector<float> cpu_all = ForwardInChunks(**twin, g.tokens, chunk);
+    const std::vector<double> cpu_wide(cpu_all.begin(), cpu_all.end());
+    testing::ExpectRowsClose(all.data(), cpu_wide.data(), len, vocab, 1e-4, what + " vs the CPU's bf16 weights");
+    if (stored_bf16) {
+      // Rounding is the identity there and the sums keep their order: the float32 weights' bits.
+      const std::vector<float> f32 = ForwardInChunks(**plain, g.tokens, chunk);
+      EXPECT_EQ(std::memcmp(all.data(), f32.data(), all.size() * sizeof(float)), 0) << what;
+      continue;
+    }
+    double moved = 0, largest = 0;
+    for (size_t i = 0; i < all.size(); ++i) {
+      moved = std::max(moved, std::abs(all[i] - g.logits[i]));
+      largest = std::max(largest, std::abs(g.logits[i]));
+    }
+    EXPECT_GT(moved, 1e-4 * largest) << what << ": the bf16 weights in effect";
+  }
+  EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0) << GetParam();
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, CudaParityTest, ::testing::ValuesIn(Cases()), [](const auto& i) { return i.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaParityTest);
 
@@ -838,8 +890,34 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
       ASSERT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
       EXPECT_TRUE(std::isnan(three[z * ystride + size_t(rows) * out])) << "product " << z << " wrote past its rows";
     }
+    // bf16 weights (bits rounded here by testing::Bf16Value's rule): the float32 kernel's sums over
+    // the widened weights, bit for bit, fused and alone.
+    std::vector<uint16_t> w16(w.size());
+    std::vector<float> widened(w.size());
+    for (size_t i = 0; i < w.size(); ++i) {
+      widened[i] = static_cast<float>(testing::Bf16Value(w[i]));
+      uint32_t bits;
+      std::memcpy(&bits, &widened[i], sizeof(bits));
+      ASSERT_EQ(bits & 0xffffu, 0u);
+      w16[i] = static_cast<uint16_t>(bits >> 16);
+    }
+    uint16_t* dw16 = Upload(w16);
+    float* dwide = Upload(widened);
+    std::vector<float> narrow(three.size()), wide(three.size()), unrounded(three.size());
+    for (auto [weights, host] : {std::pair{0, &narrow}, std::pair{1, &wide}, std::pair{2, &unrounded}}) {
+      ASSERT_EQ(cudaMemset(dy3, 0, three.size() * sizeof(float)), cudaSuccess);
+      const int64_t ws = int64_t{out} * in;
+      const cudaError_t e =
+          weights == 0 ? cuda::Linear(dx, rows, in, dw16, out, db, 1, true, 1.f, dy3, nullptr, 3, ws, out, ystride)
+                       : cuda::Linear(dx, rows, in, weights == 1 ? dwide : dw, out, db, 1, true, 1.f, dy3, nullptr, 3,
+                                      ws, out, ystride);
+      ASSERT_EQ(e, cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(host->data(), dy3, three.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0) << "bf16 weights";
+    ASSERT_NE(std::memcmp(narrow.data(), unrounded.data(), narrow.size() * sizeof(float)), 0) << "rounding in effect";
     for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3),
-                    static_cast<void*>(dy1)}) {
+                    static_cast<void*>(dy1), static_cast<void*>(dw16), static_cast<void*>(dwide)}) {
       cudaFree(d);
     }
   }
@@ -1052,13 +1130,34 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     EXPECT_EQ((*backend)->device(), "simt-emulator:0") << device;
   }
   EXPECT_FALSE(NewBackend(model, DeviceOptions{"cuda:1", 1024}).ok());
-  // The CPU's narrow weights are not the CUDA backend's (yet).
-  for (const char* name : {"int8", "bf16"}) {
+  // int8 weights are the CPU's alone; bf16 weights need relgen's projection kernel.
+  {
     DeviceOptions o{"cuda", 1024};
-    o.weights_dtype = name;
+    o.weights_dtype = "int8";
     const auto refused = NewBackend(model, o);
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << name;
-    EXPECT_NE(refused.status().message().find("stores f32 weights only"), absl::string_view::npos) << refused.status();
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find("stores f32 or bf16 weights"), absl::string_view::npos) << refused.status();
+    o.weights_dtype = "bf16";
+    o.cuda_gemm = "cublas";
+    const auto refused2 = NewBackend(model, o);
+    EXPECT_EQ(refused2.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused2.status().message().find("--cuda_gemm invariant"), absl::string_view::npos) << refused2.status();
+  }
+  // --weights_dtype bf16 reaches it: every projection matrix and the LM head in 2 bytes an element
+  // (a tied head gets a bf16 copy beside the float32 embedding table the lookup reads).
+  {
+    const ModelConfig& c = model->config();
+    int64_t weights[2] = {0, 0};
+    for (const int i : {0, 1}) {
+      DeviceOptions o{"cuda", 1024};
+      o.weights_dtype = i == 0 ? "f32" : "bf16";
+      auto backend = NewBackend(model, o);
+      ASSERT_TRUE(backend.ok()) << backend.status();
+      weights[i] = (*backend)->memory().weights;
+    }
+    const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim, vd = int64_t{c.vocab_size} * d;
+    const int64_t projections = c.n_layers * (4 * w * d + (c.ffn_gated ? 3 : 2) * f * d);
+    EXPECT_EQ(weights[0] - weights[1], 2 * projections + (c.tie_embeddings ? -2 * vd : 2 * vd));
   }
   // --kv_cache_dtype bf16 reaches it: the same tokens in half the pool's bytes.
   int64_t bytes[2] = {0, 0};

@@ -8,7 +8,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cuda/decoder_kernels.h"
 
 namespace relgen {
@@ -80,6 +82,7 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     DropGraphs();
     for (float* p : owned_) cudaFree(p);
+    for (void* p : owned16_) cudaFree(p);
     for (void* p : k_pools_) cudaFree(p);
     for (void* p : v_pools_) cudaFree(p);
     cudaFree(t5_table_);
@@ -103,8 +106,9 @@ class CudaBackend final : public Backend {
       for (int64_t d : spec.shape) n *= d;
       count[spec.name] = n;
     }
+    const bool bf16 = options_.weight_type == cpu::WeightType::kBf16;
     for (const TensorSpec& spec : ExpectedTensors(c)) {
-      if (weights_.count(spec.name) > 0) continue;  // placed beside its projection's q
+      if (weights_.count(spec.name) > 0 || weights16_.count(spec.name) > 0) continue;  // placed beside its q
       const int64_t n = count[spec.name];
       // A self-attention's q, k and v weights (and biases) side by side in one allocation: one
       // strided-batched GEMM and one bias launch compute all three (Qkv).
@@ -112,11 +116,16 @@ class CudaBackend final : public Backend {
       if (const size_t at = spec.name.rfind("attn.q."); at != std::string::npos) {
         for (const char* sibling : {"attn.k.", "attn.v."}) {
           const std::string name = std::string(spec.name).replace(at, 7, sibling);
-          if (count.count(name) > 0 && count[name] == n && weights_.count(name) == 0 && Host(name) != nullptr) {
+          if (count.count(name) > 0 && count[name] == n && weights_.count(name) == 0 && weights16_.count(name) == 0 &&
+              Host(name) != nullptr) {
             parts.push_back(name);
           }
         }
         if (parts.size() != 3) parts.resize(1);
+      }
+      if (bf16 && IsProjection(spec.name)) {
+        if (auto s = UploadBf16(parts, n); !s.ok()) return s;
+        continue;
       }
       // Every allocation is owned by a member the moment it exists: a failure part-way through
       // Init leaves the destructor to free what was made.
@@ -131,6 +140,11 @@ class CudaBackend final : public Backend {
         // the non-blocking work stream's first kernels after the copy.
         RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev + i * n, host, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
       }
+    }
+    // A tied LM head in bf16: its own copy (the embedding lookup reads the float32 table).
+    if (bf16 && c.tie_embeddings) {
+      const std::vector<std::string> head = {"lm_head.weight"};
+      if (auto s = UploadBf16(head, int64_t{c.vocab_size} * c.d_model, Host("embed.weight")); !s.ok()) return s;
     }
     // The largest step's buffers now, before the pool takes what is left.
     const StepShape largest = LargestStep();
@@ -308,13 +322,57 @@ class CudaBackend final : public Backend {
     auto it = weights_.find(name);
     return it == weights_.end() ? nullptr : it->second;
   }
+  // A projection's weight matrix (and the LM head's): what --weights_dtype bf16 stores in bf16.
+  static bool IsProjection(const std::string& name) {
+    if (name == "lm_head.weight") return true;
+    for (const char* suffix : {"attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight", "ffn.up.weight",
+                               "ffn.gate.weight", "ffn.down.weight", "cross.q.weight", "cross.k.weight",
+                               "cross.v.weight", "cross.o.weight"}) {
+      if (absl::EndsWith(name, suffix)) return true;
+    }
+    return false;
+  }
+  // `names` (n elements each, from the host, or all from `host`) side by side in one bf16 allocation,
+  // rounded as the CPU backend rounds its bf16 weights.
+  absl::Status UploadBf16(const std::vector<std::string>& names, int64_t n, const float* host = nullptr) {
+    void*& dev = owned16_.emplace_back(nullptr);
+    RELGEN_CUDA_RETURN(cudaMalloc(&dev, names.size() * n * sizeof(uint16_t)));
+    std::vector<uint16_t> bits(names.size() * n);
+    for (size_t i = 0; i < names.size(); ++i) {
+      const float* src = host != nullptr ? host : Host(names[i]);
+      if (src == nullptr) return absl::InternalError("weight " + names[i] + " missing on the host");
+      for (int64_t e = 0; e < n; ++e) bits[i * n + e] = cpu::ToBf16(src[e]);
+      weights16_[names[i]] = static_cast<const uint16_t*>(dev) + i * n;
+    }
+    weight_bytes_ += static_cast<int64_t>(bits.size() * sizeof(uint16_t));
+    RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, bits.data(), bits.size() * sizeof(uint16_t), cudaMemcpyHostToDevice, stream_));
+    RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));  // `bits` is pageable and goes out of scope
+    return absl::OkStatus();
+  }
+  // relgen's projection kernel over the matrix `name` in whichever type it is stored.
+  cudaError_t Project(const float* x, int rows, int in, const std::string& name, int out, const float* bias, int act,
+                      bool residual, float alpha, float* y, int batch = 1, int64_t w_stride = 0,
+                      int64_t bias_stride = 0, int64_t y_stride = 0) {
+    if (auto it = weights16_.find(name); it != weights16_.end()) {
+      return cuda::Linear(x, rows, in, it->second, out, bias, act, residual, alpha, y, stream_, batch, w_stride,
+                          bias_stride, y_stride);
+    }
+    const float* w = W(name);
+    if (w == nullptr && name == "lm_head.weight") w = W("embed.weight");  // tied
+    return cuda::Linear(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride, bias_stride,
+                        y_stride);
+  }
+  // Where a projection's matrix starts, in bytes, whichever its type (for the fused QKV's layout).
+  const char* WeightBytes(const std::string& name) const {
+    if (auto it = weights16_.find(name); it != weights16_.end()) return reinterpret_cast<const char*>(it->second);
+    return reinterpret_cast<const char*>(W(name));
+  }
   // y[rows, out] = x[rows, in] * W^T (+ bias, + activation), or with `residual` y += x * W^T (+ bias):
   // the residual add as the GEMM's beta, no launch of its own. Row-major through column-major cuBLAS.
   absl::Status Linear(const float* x, int rows, int in, const std::string& w, int out, float* y, int act = -1,
                       bool residual = false) {
     if (!options_.cublas_gemms) {
-      RELGEN_CUDA_RETURN(
-          cuda::Linear(x, rows, in, W(w + ".weight"), out, W(w + ".bias"), act, residual, 1.f, y, stream_));
+      RELGEN_CUDA_RETURN(Project(x, rows, in, w + ".weight", out, W(w + ".bias"), act, residual, 1.f, y));
       return absl::OkStatus();
     }
     const float one = 1.f, beta = residual ? 1.f : 0.f;
@@ -337,7 +395,9 @@ class CudaBackend final : public Backend {
     const int d = c.d_model, w = c.qkv_width();
     const int64_t wd = int64_t{w} * d;
     const float* wq = W(p + "attn.q.weight");
-    if (W(p + "attn.k.weight") != wq + wd || W(p + "attn.v.weight") != wq + 2 * wd) {
+    const int64_t eb = weights16_.count(p + "attn.q.weight") > 0 ? 2 : 4;
+    const char* at = WeightBytes(p + "attn.q.weight");
+    if (WeightBytes(p + "attn.k.weight") != at + wd * eb || WeightBytes(p + "attn.v.weight") != at + 2 * wd * eb) {
       for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
         if (auto s = Linear(x, rows, d, p + name, w, out); !s.ok()) return s;
       }
@@ -347,7 +407,7 @@ class CudaBackend final : public Backend {
     if (!options_.cublas_gemms) {
       const bool fused_bias = bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w;
       if (fused_bias || (bq == nullptr && W(p + "attn.k.bias") == nullptr && W(p + "attn.v.bias") == nullptr)) {
-        RELGEN_CUDA_RETURN(cuda::Linear(x, rows, d, wq, w, bq, -1, false, 1.f, q(), stream_, 3, wd, w, QkvStride()));
+        RELGEN_CUDA_RETURN(Project(x, rows, d, p + "attn.q.weight", w, bq, -1, false, 1.f, q(), 3, wd, w, QkvStride()));
         return absl::OkStatus();
       }
       for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
@@ -422,6 +482,8 @@ class CudaBackend final : public Backend {
   cublasHandle_t cublas_ = nullptr;
   std::unordered_map<std::string, float*> weights_;  // into owned_
   std::vector<float*> owned_;
+  std::unordered_map<std::string, const uint16_t*> weights16_;  // bf16 projections, into owned16_
+  std::vector<void*> owned16_;
   std::vector<void*> k_pools_, v_pools_;  // of options_.kv_type
   int32_t* t5_table_ = nullptr;
   int32_t* t5_encoder_table_ = nullptr;  // encoder-decoder T5: signed buckets
@@ -690,7 +752,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
   const float alpha = c.lm_head_input_scale, zero = 0.f;
   const float* head = c.tie_embeddings ? W("embed.weight") : W("lm_head.weight");
   if (!options_.cublas_gemms) {
-    RELGEN_CUDA_RETURN(cuda::Linear(h_.f(), kept, d, head, c.vocab_size, nullptr, -1, false, alpha, logits_d_.f(), stream_));
+    RELGEN_CUDA_RETURN(Project(h_.f(), kept, d, "lm_head.weight", c.vocab_size, nullptr, -1, false, alpha, logits_d_.f()));
     return absl::OkStatus();
   }
   RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &alpha, head, d, h_.f(),
@@ -756,6 +818,15 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
   if (model->config().head_dim > 256) {
     return absl::InvalidArgumentError(absl::StrCat("head_dim ", model->config().head_dim,
                                                    ": the CUDA attention kernel supports up to 256"));
+  }
+  if (o.weight_type == cpu::WeightType::kInt8) {
+    return absl::InvalidArgumentError(
+        "--weights_dtype int8: the CUDA backend stores f32 or bf16 weights; use f32, bf16, or --device cpu");
+  }
+  if (o.weight_type == cpu::WeightType::kBf16 && o.cublas_gemms) {
+    return absl::InvalidArgumentError(
+        "--weights_dtype bf16 with --cuda_gemm cublas: bf16 weights run through relgen's projection kernel; use "
+        "--cuda_gemm invariant, or --weights_dtype f32");
   }
   if (device < 0 || device >= CudaDeviceCount()) {
     return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not present (", CudaDeviceCount(), " found)"));

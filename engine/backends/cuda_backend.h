@@ -1,4 +1,4 @@
-// CUDA backend: the decoder forward on one GPU, float32 (the K/V cache float32 or bf16), with the
+// CUDA backend: the decoder forward on one GPU, float32 (weights and the K/V cache float32 or bf16), with the
 // kernels of kernels/cuda (the projections through cuda::Linear, or cuBLAS: CudaOptions). Built
 // where nvcc is found (RELGEN_WITH_CUDA), and in test trees against relgen's SIMT emulator
 // (tests/simt), where device() reports "simt-emulator:N".
@@ -10,6 +10,7 @@
 #include "engine/backends/backend.h"
 #include "engine/model/model.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/gemm.h"
 
 namespace relgen {
 
@@ -44,6 +45,12 @@ struct CudaOptions {
   // problem's shape (a row's bits may change with the rows beside it) and needs a launch of its own
   // for bias and activation.
   bool cublas_gemms = false;
+  // The projections' weights (and the LM head's): float32, or bf16 (cpu::WeightType::kBf16, the CPU
+  // backend's weight-only rule: rounded to nearest even at load, widened exactly, float32 sums),
+  // half the weight bytes a decode step reads. bf16 needs relgen's projection kernel (not
+  // `cublas_gemms`); int8 is the CPU's alone. Embeddings, norms, biases and relative tables stay
+  // float32.
+  cpu::WeightType weight_type = cpu::WeightType::kF32;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, const CudaOptions& options);

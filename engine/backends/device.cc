@@ -43,13 +43,9 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
       return absl::UnavailableError(absl::StrCat("--device ", o.device, ": ", CudaDeviceCount(),
                                                  " CUDA devices are present; use --device cpu or auto"));
     }
-    if (weights != cpu::WeightType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat("--weights_dtype ", o.weights_dtype,
-                                                     ": the CUDA backend stores f32 weights only; use "
-                                                     "--weights_dtype f32, or --device cpu"));
-    }
     CudaOptions co;
     co.device = index;
+    co.weight_type = weights;  // int8 refused by NewCudaBackend, naming the way out
     co.kv_type = kv_type;
     co.cublas_gemms = o.cuda_gemm == "cublas";
     co.block_size = o.kv_block_size;

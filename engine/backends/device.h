@@ -16,7 +16,7 @@ struct DeviceOptions {
   double kv_cache_memory_fraction = 0.2;
   int kv_block_size = 16;
   int threads = 0;  // CPU threads
-  std::string weights_dtype = "f32";  // dense weights: f32, or on the CPU bf16 / int8
+  std::string weights_dtype = "f32";  // dense weights: f32, bf16, or on the CPU int8
   std::string kv_cache_dtype = "f32";  // K/V cache elements: f32 or bf16
   // CUDA projections: "invariant" (relgen's kernel, rows batch invariant) or "cublas"
   // (CudaOptions::cublas_gemms).

@@ -75,6 +75,22 @@ __global__ void BiasActivateKernel(float* y, int64_t n, int cols, const float* b
   *at = Act(act, v);
 }
 
+// bf16 storage: cpu::ToBf16's rule (nearest even; a NaN stays a quiet NaN), on the bits so that
+// no compiler flag changes it.
+__device__ __forceinline__ uint16_t Bf16Bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+__device__ __forceinline__ void Store(float* p, float f) { *p = f; }
+__device__ __forceinline__ void Store(uint16_t* p, float f) { *p = Bf16Bits(f); }
+__device__ __forceinline__ float Widen(float f) { return f; }
+__device__ __forceinline__ float Widen(uint16_t h) { return __uint_as_float(uint32_t{h} << 16); }
+// The two bf16 elements of a 32-bit word (the lower address in the low half).
+__device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
 constexpr int kLinWarps = 4;          // per block
 constexpr int kLinOuts = 4;           // outputs per warp
 constexpr int kLinRows = 4;           // rows a warp carries at once
@@ -87,8 +103,16 @@ static_assert(kLinRows * kLinOuts <= 32, "LinearKernel: one lane adds up each (r
 // partial sums of every lane through shared memory and lane j < 16 adds the 32 of sum j in lane
 // order. A (row, output)'s chain of operations is the same whichever rows share its pass or its
 // block, which is what makes rows batch invariant.
+// Four weights from k on (16-byte aligned floats, or 8-byte aligned bf16 bits widened exactly).
+__device__ __forceinline__ float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 Load4(const uint16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(Lo(u.x), Hi(u.x), Lo(u.y), Hi(u.y));
+}
+
 constexpr int kLinSums = kLinRows * kLinOuts;
-__global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, int rows, int in, const float* w,
+template <typename TW>
+__global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, int rows, int in, const TW* w,
                                                                int out, const float* bias, int act, bool residual,
                                                                float alpha, float* y, int64_t w_stride,
                                                                int64_t bias_stride, int64_t y_stride) {
@@ -112,8 +136,7 @@ __global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, i
         float4 wv[kLinOuts];
 #pragma unroll
         for (int o = 0; o < kLinOuts; ++o) {
-          wv[o] = o < live_outs ? *reinterpret_cast<const float4*>(w + int64_t{o0 + o} * in + k)
-                                : make_float4(0.f, 0.f, 0.f, 0.f);
+          wv[o] = o < live_outs ? Load4(w + int64_t{o0 + o} * in + k) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int rr = 0; rr < kLinRows; ++rr) {
@@ -133,7 +156,7 @@ __global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, i
       for (int k = lane; k < in; k += 32) {
         float wv[kLinOuts];
 #pragma unroll
-        for (int o = 0; o < kLinOuts; ++o) wv[o] = o < live_outs ? w[int64_t{o0 + o} * in + k] : 0.f;
+        for (int o = 0; o < kLinOuts; ++o) wv[o] = o < live_outs ? Widen(w[int64_t{o0 + o} * in + k]) : 0.f;
 #pragma unroll
         for (int rr = 0; rr < kLinRows; ++rr) {
           if (rr >= live_rows) break;
@@ -174,22 +197,6 @@ __device__ __forceinline__ int64_t RowOffset(const KvPool& kv, const int32_t* ta
   const int64_t block = table[pos / kv.block_size];
   return ((block * kv.n_heads + head) * kv.block_size + pos % kv.block_size) * kv.head_dim;
 }
-
-// bf16 storage: cpu::ToBf16's rule (nearest even; a NaN stays a quiet NaN), on the bits so that
-// no compiler flag changes it.
-__device__ __forceinline__ uint16_t Bf16Bits(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-__device__ __forceinline__ void Store(float* p, float f) { *p = f; }
-__device__ __forceinline__ void Store(uint16_t* p, float f) { *p = Bf16Bits(f); }
-__device__ __forceinline__ float Widen(float f) { return f; }
-__device__ __forceinline__ float Widen(uint16_t h) { return __uint_as_float(uint32_t{h} << 16); }
-// The two bf16 elements of a 32-bit word (the lower address in the low half).
-__device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
 template <typename T>
 __global__ void WriteKvKernel(KvPool kv, Rows rows, const float* k, const float* v) {
@@ -683,15 +690,30 @@ cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int ac
   return cudaGetLastError();
 }
 
-cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, const float* bias, int act, bool residual,
-                   float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride, int64_t bias_stride,
-                   int64_t y_stride) {
+namespace {
+template <typename TW>
+cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out, const float* bias, int act,
+                         bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
+                         int64_t bias_stride, int64_t y_stride) {
   if (in < 1 || out < 1 || batch < 1) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const dim3 grid(Blocks(out, kLinWarps * kLinOuts), Blocks(rows, kLinRowsPerBlock), batch);
-  RELGEN_LAUNCH(LinearKernel, grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y, w_stride,
-                                                          bias_stride, y_stride);
+  RELGEN_LAUNCH(LinearKernel<TW>, grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y,
+                                                              w_stride, bias_stride, y_stride);
   return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, const float* bias, int act, bool residual,
+                   float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride, int64_t bias_stride,
+                   int64_t y_stride) {
+  return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride);
+}
+
+cudaError_t Linear(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int act,
+                   bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
+                   int64_t bias_stride, int64_t y_stride) {
+  return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride);
 }
 
 cudaError_t ActivateGated(int act, float* x, const float* gate, int64_t n, cudaStream_t s) {

@@ -76,6 +76,12 @@ cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int ac
 cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, const float* bias, int activation,
                    bool residual, float alpha, float* y, cudaStream_t stream, int batch = 1, int64_t w_stride = 0,
                    int64_t bias_stride = 0, int64_t y_stride = 0);
+// The same with w as bfloat16 bits (rounded to nearest even at load, cpu::ToBf16's rule), widened
+// exactly as read: the CPU backend's bf16 weights (--weights_dtype bf16), half the weight bytes, the
+// same float32 sums in the same order. Rows start on 8 bytes where `in` is a multiple of 4.
+cudaError_t Linear(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int activation,
+                   bool residual, float alpha, float* y, cudaStream_t stream, int batch = 1, int64_t w_stride = 0,
+                   int64_t bias_stride = 0, int64_t y_stride = 0);
 // x = act(x) * gate (cpu::ActivateGated).
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
