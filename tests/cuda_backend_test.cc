@@ -20,6 +20,7 @@
 #include "engine/core/engine.h"
 #include "engine/tokenizers/tokenizer.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/relpos_device.h"
@@ -923,6 +924,82 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
   }
 }
 
+// The fused projection that writes k and v into the cache: q, and the pool's bits (f32 and bf16,
+// scattered pages, rows at several positions of two sequences), equal Linear's three products then
+// WriteKv; bf16 weights too; a pool whose width is not the projection's is refused.
+TEST(CudaKernelsTest, QkvToCacheEqualsLinearThenWriteKv) {
+  REQUIRE_GPU();
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd;
+  const int rows = 21, in = 48, heads = 3, hd = 8, width = heads * hd, bs = 4, nblocks = 12;
+  std::vector<float> x(size_t(rows) * in), w(size_t(3) * width * in), bias(3 * width);
+  for (auto* v : {&x, &w, &bias}) {
+    for (float& e : *v) e = nd(rng);
+  }
+  std::vector<uint16_t> w16(w.size());
+  for (size_t i = 0; i < w.size(); ++i) w16[i] = cpu::ToBf16(w[i]);
+  // Rows 0..12: sequence A at positions 3..15; rows 13..20: sequence B at 0..7 (another table).
+  std::vector<int32_t> position, offset, tables(2 * 6);
+  std::iota(tables.begin(), tables.end(), 0);
+  std::shuffle(tables.begin(), tables.end(), rng);
+  for (int r = 0; r < rows; ++r) {
+    position.push_back(r < 13 ? r + 3 : r - 13);
+    offset.push_back(r < 13 ? 0 : 6);
+  }
+  const cuda::Rows kv_rows{rows, Upload(position), Upload(offset), Upload(tables)};
+  float *dx = Upload(x), *dw = Upload(w), *db = Upload(bias);
+  uint16_t* dw16 = Upload(w16);
+  const int64_t stride = int64_t{rows} * width;
+  float* qkv = Upload(std::vector<float>(static_cast<size_t>(3 * stride)));
+  float* q = Upload(std::vector<float>(static_cast<size_t>(stride)));
+  for (const cuda::KvElem type : {cuda::KvElem::kF32, cuda::KvElem::kBf16}) {
+    for (const bool bf16_weights : {false, true}) {
+      SCOPED_TRACE(std::string(type == cuda::KvElem::kBf16 ? "bf16" : "f32") + " pool, " +
+                   (bf16_weights ? "bf16" : "f32") + " weights");
+      const size_t pool_bytes = size_t{nblocks} * heads * bs * hd * (type == cuda::KvElem::kBf16 ? 2 : 4);
+      std::vector<std::vector<uint8_t>> pools;  // [k, v] of each way
+      for (const bool fused : {false, true}) {
+        // Poisoned, so a slot either way leaves alone must stay poisoned in both.
+        cuda::KvPool kv{Upload(std::vector<uint8_t>(pool_bytes, 0xa5)), Upload(std::vector<uint8_t>(pool_bytes, 0xa5)),
+                        bs, heads, hd, type};
+        if (fused) {
+          ASSERT_EQ(bf16_weights ? cuda::QkvToCache(dx, rows, in, dw16, width, db, q, kv, kv_rows, nullptr)
+                                 : cuda::QkvToCache(dx, rows, in, dw, width, db, q, kv, kv_rows, nullptr),
+                    cudaSuccess);
+        } else {
+          const int64_t ws = int64_t{width} * in;
+          ASSERT_EQ(bf16_weights
+                        ? cuda::Linear(dx, rows, in, dw16, width, db, -1, false, 1.f, qkv, nullptr, 3, ws, width, stride)
+                        : cuda::Linear(dx, rows, in, dw, width, db, -1, false, 1.f, qkv, nullptr, 3, ws, width, stride),
+                    cudaSuccess);
+          ASSERT_EQ(cuda::WriteKv(kv, kv_rows, qkv + stride, qkv + 2 * stride, nullptr), cudaSuccess);
+        }
+        for (void* pool : {kv.k, kv.v}) {
+          std::vector<uint8_t> host(pool_bytes);
+          ASSERT_EQ(cudaMemcpy(host.data(), pool, pool_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+          pools.push_back(host);
+          cudaFree(pool);
+        }
+      }
+      EXPECT_EQ(pools[0], pools[2]) << "K";
+      EXPECT_EQ(pools[1], pools[3]) << "V";
+      EXPECT_NE(pools[0], std::vector<uint8_t>(pool_bytes, 0xa5)) << "K written";
+      std::vector<float> want(static_cast<size_t>(stride)), got(static_cast<size_t>(stride));
+      ASSERT_EQ(cudaMemcpy(want.data(), qkv, want.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(got.data(), q, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0) << "q";
+    }
+  }
+  const cuda::KvPool narrow{qkv, qkv, bs, heads - 1, hd};
+  EXPECT_EQ(cuda::QkvToCache(dx, rows, in, dw, width, db, q, narrow, kv_rows, nullptr), cudaErrorInvalidValue);
+  for (const void* d : {static_cast<const void*>(dx), static_cast<const void*>(dw), static_cast<const void*>(db),
+                        static_cast<const void*>(dw16), static_cast<const void*>(qkv), static_cast<const void*>(q),
+                        static_cast<const void*>(kv_rows.position), static_cast<const void*>(kv_rows.table_offset),
+                        static_cast<const void*>(kv_rows.block_tables)}) {
+    cudaFree(const_cast<void*>(d));
+  }
+}
+
 // Attention's grid spanning more key splits than the rows need (as a captured decode graph's, sized
 // for max_seq_len) gives the same bits: split boundaries do not depend on the count, and an empty
 // split merges as nothing. Decode rows before, at and past the 512-key split, ALiBi's bias on.
@@ -1261,11 +1338,11 @@ TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
     EXPECT_EQ(g.captured > 0, first_of_size) << "step " << i << ": a graph is captured once per batch size";
     EXPECT_EQ(g.gemms, d.gemms);
     // Kernel by kernel (this pre-norm model with biases, keys in one split): the embedding; per
-    // layer the norm, one launch for q, k and v with their biases, WriteKv, attention, the output
-    // projection with its bias and the residual, the norm, the FFN's up (bias, GELU) and down (bias,
-    // residual); the kept rows, the final norm, the LM head.
+    // layer the norm, one launch for q, k and v with their biases writing k and v into the cache,
+    // attention, the output projection with its bias and the residual, the norm, the FFN's up
+    // (bias, GELU) and down (bias, residual); the kept rows, the final norm, the LM head.
     ASSERT_FALSE(c.ffn_gated || c.norm_placement != NormPlacement::kPre || c.embedding_norm);
-    EXPECT_EQ(d.host_launches, 1 + 8 * c.n_layers + 3);
+    EXPECT_EQ(d.host_launches, 1 + 7 * c.n_layers + 3);
     EXPECT_EQ(d.launches, d.host_launches);
     EXPECT_EQ(d.gemms, 0);
     if (i == 0) std::printf("decode step of %d rows, launched kernel by kernel: %lld launches\n", batches[i],

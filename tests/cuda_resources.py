@@ -58,7 +58,8 @@ from typing import NamedTuple
 #     does 4 rows' work, and a prefill grid has thousands of blocks, so 25% still fills the SMs.
 #   - LinearKernel (128 threads, the batch-invariant projection): a lane keeps 4 rows x 4 outputs
 #     of partial sums and four outputs' 16-byte weight loads in flight; at least 8 blocks = 32
-#     warps/SM (50%): R <= 65536/(8*128) = 64. Measured 56 (sm_80) and 54 (sm_90).
+#     warps/SM (50%): R <= 65536/(8*128) = 64, which `__launch_bounds__(128, 8)` hands ptxas (the
+#     epilogue that writes k and v into the cache took sm_80 to 72 without it). Measured 56-58.
 #   - CombineKernel (64 threads, split-K merge, runs only when keys are split): at least 50%
 #     (32 warps = 16 blocks): R <= 65536/(16*64) = 64. Measured 32 (sm_80) and 40 (sm_90).
 # `stack` is the allowed stack frame (local memory) in bytes; spills are never allowed.

@@ -390,7 +390,11 @@ class CudaBackend final : public Backend {
   float* v() const { return qkv_.f() + 2 * QkvStride(); }
   // The self-attention projections of the layer named by prefix `p` into q(), k(), v(): one
   // strided-batched GEMM over the fused weights and at most one bias launch.
-  absl::Status Qkv(const float* x, int rows, const std::string& p) {
+  // With `cache`, k and v may go straight into the layer's pool at `cache_rows` (relgen's fused
+  // projection); *written says whether they did, else they are in k(), v() for WriteKv.
+  absl::Status Qkv(const float* x, int rows, const std::string& p, const cuda::KvPool* cache = nullptr,
+                   const cuda::Rows* cache_rows = nullptr, bool* written = nullptr) {
+    if (written != nullptr) *written = false;
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width();
     const int64_t wd = int64_t{w} * d;
@@ -407,6 +411,15 @@ class CudaBackend final : public Backend {
     if (!options_.cublas_gemms) {
       const bool fused_bias = bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w;
       if (fused_bias || (bq == nullptr && W(p + "attn.k.bias") == nullptr && W(p + "attn.v.bias") == nullptr)) {
+        if (cache != nullptr) {
+          const std::string name = p + "attn.q.weight";
+          auto it = weights16_.find(name);
+          RELGEN_CUDA_RETURN(it != weights16_.end()
+                                 ? cuda::QkvToCache(x, rows, d, it->second, w, bq, q(), *cache, *cache_rows, stream_)
+                                 : cuda::QkvToCache(x, rows, d, wq, w, bq, q(), *cache, *cache_rows, stream_));
+          *written = true;
+          return absl::OkStatus();
+        }
         RELGEN_CUDA_RETURN(Project(x, rows, d, p + "attn.q.weight", w, bq, -1, false, 1.f, q(), 3, wd, w, QkvStride()));
         return absl::OkStatus();
       }
@@ -724,9 +737,10 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
       if (auto st = Norm(x_.f(), total, p + "attn_norm", h_.f()); !st.ok()) return st;
       in = h_.f();
     }
-    if (auto st = Qkv(in, total, p); !st.ok()) return st;
     const cuda::KvPool pool = Pool(l);
-    RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
+    bool written = false;
+    if (auto st = Qkv(in, total, p, &pool, &rows, &written); !st.ok()) return st;
+    if (!written) RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
     RELGEN_CUDA_RETURN(cuda::Attention(q(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
                                        kKeysPerSplit, stream_, s.tiled));
     if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, x_.f(), -1, true); !st.ok()) return st;

@@ -75,6 +75,11 @@ __global__ void BiasActivateKernel(float* y, int64_t n, int cols, const float* b
   *at = Act(act, v);
 }
 
+__device__ __forceinline__ int64_t RowOffset(const KvPool& kv, const int32_t* table, int head, int pos) {
+  const int64_t block = table[pos / kv.block_size];
+  return ((block * kv.n_heads + head) * kv.block_size + pos % kv.block_size) * kv.head_dim;
+}
+
 // bf16 storage: cpu::ToBf16's rule (nearest even; a NaN stays a quiet NaN), on the bits so that
 // no compiler flag changes it.
 __device__ __forceinline__ uint16_t Bf16Bits(float f) {
@@ -112,10 +117,11 @@ __device__ __forceinline__ float4 Load4(const uint16_t* p) {
 
 constexpr int kLinSums = kLinRows * kLinOuts;
 template <typename TW>
-__global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, int rows, int in, const TW* w,
+__global__ void __launch_bounds__(32 * kLinWarps, 8) LinearKernel(const float* x, int rows, int in, const TW* w,
                                                                int out, const float* bias, int act, bool residual,
                                                                float alpha, float* y, int64_t w_stride,
-                                                               int64_t bias_stride, int64_t y_stride) {
+                                                               int64_t bias_stride, int64_t y_stride, KvPool kv,
+                                                               Rows kv_rows) {
   // Per warp [kLinSums][33]: sum j's 32 partials in a row, padded against bank conflicts.
   __shared__ float partial[kLinWarps][kLinSums][33];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -177,7 +183,19 @@ __global__ void __launch_bounds__(32 * kLinWarps) LinearKernel(const float* x, i
       float val = alpha * sum;
       if (bias != nullptr) val += bias[o0 + o];
       val = Act(act, val);
-      *at = residual ? *at + val : val;
+      if (kv.k != nullptr && blockIdx.z > 0) {  // k (z = 1) or v (z = 2) straight into the cache, as WriteKv
+        const int row = r0 + rr, col = o0 + o;
+        const int64_t dst = RowOffset(kv, kv_rows.block_tables + kv_rows.table_offset[row], col / kv.head_dim,
+                                      kv_rows.position[row]) + col % kv.head_dim;
+        void* const pool = blockIdx.z == 1 ? kv.k : kv.v;
+        if (kv.type == KvElem::kBf16) {
+          Store(static_cast<uint16_t*>(pool) + dst, val);
+        } else {
+          Store(static_cast<float*>(pool) + dst, val);
+        }
+      } else {
+        *at = residual ? *at + val : val;
+      }
     }
     __syncwarp();  // the next pass overwrites what lanes may still read
   }
@@ -193,10 +211,6 @@ __global__ void AddKernel(float* y, const float* x, int64_t n) {
   if (i < n) y[i] += x[i];
 }
 
-__device__ __forceinline__ int64_t RowOffset(const KvPool& kv, const int32_t* table, int head, int pos) {
-  const int64_t block = table[pos / kv.block_size];
-  return ((block * kv.n_heads + head) * kv.block_size + pos % kv.block_size) * kv.head_dim;
-}
 
 template <typename T>
 __global__ void WriteKvKernel(KvPool kv, Rows rows, const float* k, const float* v) {
@@ -694,13 +708,24 @@ namespace {
 template <typename TW>
 cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out, const float* bias, int act,
                          bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
-                         int64_t bias_stride, int64_t y_stride) {
+                         int64_t bias_stride, int64_t y_stride, const KvPool& kv = KvPool{},
+                         const Rows& kv_rows = Rows{}) {
   if (in < 1 || out < 1 || batch < 1) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const dim3 grid(Blocks(out, kLinWarps * kLinOuts), Blocks(rows, kLinRowsPerBlock), batch);
   RELGEN_LAUNCH(LinearKernel<TW>, grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y,
-                                                              w_stride, bias_stride, y_stride);
+                                                              w_stride, bias_stride, y_stride, kv, kv_rows);
   return cudaGetLastError();
+}
+
+template <typename TW>
+cudaError_t LaunchQkvToCache(const float* x, int rows, int in, const TW* w, int width, const float* bias, float* q,
+                             const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
+  if (kv.k == nullptr || kv.v == nullptr || kv.n_heads * kv.head_dim != width || kv_rows.n != rows) {
+    return cudaErrorInvalidValue;
+  }
+  return LaunchLinear(x, rows, in, w, width, bias, -1, false, 1.f, q, s, 3, int64_t{width} * in,
+                      bias != nullptr ? width : 0, 0, kv, kv_rows);
 }
 }  // namespace
 
@@ -714,6 +739,16 @@ cudaError_t Linear(const float* x, int rows, int in, const uint16_t* w, int out,
                    bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
                    int64_t bias_stride, int64_t y_stride) {
   return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride);
+}
+
+cudaError_t QkvToCache(const float* x, int rows, int in, const float* w, int width, const float* bias, float* q,
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
+  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s);
+}
+
+cudaError_t QkvToCache(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
+  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s);
 }
 
 cudaError_t ActivateGated(int act, float* x, const float* gate, int64_t n, cudaStream_t s) {

@@ -82,6 +82,15 @@ cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, co
 cudaError_t Linear(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int activation,
                    bool residual, float alpha, float* y, cudaStream_t stream, int batch = 1, int64_t w_stride = 0,
                    int64_t bias_stride = 0, int64_t y_stride = 0);
+// A self-attention's q, k and v in one launch, k and v written straight into the paged cache: the
+// three products of Linear (batch 3: w [3, width, in] and bias [3, width] side by side, bias may be
+// null), q [rows, width] into `q`, and row r's k and v into `kv` at kv_rows' position r, stored as
+// WriteKv stores them (the same bits): one launch where Linear then WriteKv take two.
+// kv.n_heads * kv.head_dim must be width and kv_rows.n must be rows (cudaErrorInvalidValue).
+cudaError_t QkvToCache(const float* x, int rows, int in, const float* w, int width, const float* bias, float* q,
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t stream);
+cudaError_t QkvToCache(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t stream);
 // x = act(x) * gate (cpu::ActivateGated).
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
