@@ -141,10 +141,12 @@ class CudaBackend final : public Backend {
         RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev + i * n, host, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
       }
     }
-    // A tied LM head in bf16: its own copy (the embedding lookup reads the float32 table).
-    if (bf16 && c.tie_embeddings) {
-      const std::vector<std::string> head = {"lm_head.weight"};
-      if (auto s = UploadBf16(head, int64_t{c.vocab_size} * c.d_model, Host("embed.weight")); !s.ok()) return s;
+    // A tied LM head (Model::lm_head() is then the embedding): in bf16 a copy of its own, beside
+    // the float32 table the lookup reads; in float32 that table itself.
+    if (c.tie_embeddings && bf16) {
+      if (auto s = UploadBf16({"lm_head.weight"}, int64_t{c.vocab_size} * c.d_model); !s.ok()) return s;
+    } else if (c.tie_embeddings) {
+      weights_["lm_head.weight"] = weights_.at("embed.weight");
     }
     // The largest step's buffers now, before the pool takes what is left.
     const StepShape largest = LargestStep();
@@ -332,14 +334,14 @@ class CudaBackend final : public Backend {
     }
     return false;
   }
-  // `names` (n elements each, from the host, or all from `host`) side by side in one bf16 allocation,
-  // rounded as the CPU backend rounds its bf16 weights.
-  absl::Status UploadBf16(const std::vector<std::string>& names, int64_t n, const float* host = nullptr) {
+  // `names` (n elements each, from the host) side by side in one bf16 allocation, rounded as the
+  // CPU backend rounds its bf16 weights.
+  absl::Status UploadBf16(const std::vector<std::string>& names, int64_t n) {
     void*& dev = owned16_.emplace_back(nullptr);
     RELGEN_CUDA_RETURN(cudaMalloc(&dev, names.size() * n * sizeof(uint16_t)));
     std::vector<uint16_t> bits(names.size() * n);
     for (size_t i = 0; i < names.size(); ++i) {
-      const float* src = host != nullptr ? host : Host(names[i]);
+      const float* src = Host(names[i]);
       if (src == nullptr) return absl::InternalError("weight " + names[i] + " missing on the host");
       for (int64_t e = 0; e < n; ++e) bits[i * n + e] = cpu::ToBf16(src[e]);
       weights16_[names[i]] = static_cast<const uint16_t*>(dev) + i * n;
@@ -349,18 +351,20 @@ class CudaBackend final : public Backend {
     RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));  // `bits` is pageable and goes out of scope
     return absl::OkStatus();
   }
+  // f(the matrix `name` as stored): a const uint16_t* (bf16 bits) or a const float*.
+  template <typename F>
+  cudaError_t WithMatrix(const std::string& name, F&& f) const {
+    if (auto it = weights16_.find(name); it != weights16_.end()) return f(it->second);
+    return f(W(name));
+  }
   // relgen's projection kernel over the matrix `name` in whichever type it is stored.
   cudaError_t Project(const float* x, int rows, int in, const std::string& name, int out, const float* bias, int act,
                       bool residual, float alpha, float* y, int batch = 1, int64_t w_stride = 0,
                       int64_t bias_stride = 0, int64_t y_stride = 0) {
-    if (auto it = weights16_.find(name); it != weights16_.end()) {
-      return cuda::Linear(x, rows, in, it->second, out, bias, act, residual, alpha, y, stream_, batch, w_stride,
-                          bias_stride, y_stride);
-    }
-    const float* w = W(name);
-    if (w == nullptr && name == "lm_head.weight") w = W("embed.weight");  // tied
-    return cuda::Linear(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride, bias_stride,
-                        y_stride);
+    return WithMatrix(name, [&](auto w) {
+      return cuda::Linear(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride, bias_stride,
+                          y_stride);
+    });
   }
   // Where a projection's matrix starts, in bytes, whichever its type (for the fused QKV's layout).
   const char* WeightBytes(const std::string& name) const {
@@ -412,11 +416,9 @@ class CudaBackend final : public Backend {
       const bool fused_bias = bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w;
       if (fused_bias || (bq == nullptr && W(p + "attn.k.bias") == nullptr && W(p + "attn.v.bias") == nullptr)) {
         if (cache != nullptr) {
-          const std::string name = p + "attn.q.weight";
-          auto it = weights16_.find(name);
-          RELGEN_CUDA_RETURN(it != weights16_.end()
-                                 ? cuda::QkvToCache(x, rows, d, it->second, w, bq, q(), *cache, *cache_rows, stream_)
-                                 : cuda::QkvToCache(x, rows, d, wq, w, bq, q(), *cache, *cache_rows, stream_));
+          RELGEN_CUDA_RETURN(WithMatrix(p + "attn.q.weight", [&](auto wqkv) {
+            return cuda::QkvToCache(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_);
+          }));
           *written = true;
           return absl::OkStatus();
         }
@@ -764,7 +766,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
     if (auto st = Norm(h_.f(), kept, "final_norm", h_.f()); !st.ok()) return st;
   }
   const float alpha = c.lm_head_input_scale, zero = 0.f;
-  const float* head = c.tie_embeddings ? W("embed.weight") : W("lm_head.weight");
+  const float* head = W("lm_head.weight");
   if (!options_.cublas_gemms) {
     RELGEN_CUDA_RETURN(Project(h_.f(), kept, d, "lm_head.weight", c.vocab_size, nullptr, -1, false, alpha, logits_d_.f()));
     return absl::OkStatus();

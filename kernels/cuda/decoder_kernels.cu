@@ -414,8 +414,8 @@ __device__ __forceinline__ int SplitEnd(const Rows& rows, int r, int begin, int 
   return min(kBidirectional ? rows.keys[r] : rows.position[r] + 1, begin + keys_per_split);
 }
 
-// One (row, head, key split) per block: decode, and every row of a step whose sequences each
-// bring one (AttentionTiled takes prefill). Each warp takes tiles of 32 keys, one key per lane: the
+// One (row, head, key split) per block: decode, and every step whose sequences each bring one row
+// (AttentionTileKernel takes prefill). Each warp takes tiles of 32 keys, one key per lane: the
 // lane reads its key's block-table entry and K row (16-byte loads, all lanes' loads independent)
 // and scores it; the tile then updates the warp's online softmax once (max and sum over the lanes),
 // and every lane accumulates its head_dim / 32 output elements over the tile's V rows. The warps
