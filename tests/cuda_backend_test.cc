@@ -822,8 +822,9 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
   std::mt19937 rng(13);
   std::normal_distribution<float> nd;
   const int rows = 40, out = 37;  // 3 blocks of rows, a last warp with one output
-  // On OS threads (the race check) one width and two epilogues.
-  for (const int in : OnThreads() ? std::vector<int>{64} : std::vector<int>{64, 200, 7}) {
+  // On OS threads (the race check) one width and two epilogues. 2196: a lane's 18 pieces of k
+  // come in rounds of 8 (one row) and of 2 (several), with a short last round for both.
+  for (const int in : OnThreads() ? std::vector<int>{64} : std::vector<int>{64, 200, 7, 2196}) {
     SCOPED_TRACE("in " + std::to_string(in));
     std::vector<float> x(size_t(rows) * in), w(size_t(3) * out * in), bias(3 * out), y0(size_t(rows) * out);
     for (auto* v : {&x, &w, &bias, &y0}) {
@@ -1219,6 +1220,29 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     const auto refused2 = NewBackend(model, o);
     EXPECT_EQ(refused2.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(refused2.status().message().find("--cuda_gemm invariant"), absl::string_view::npos) << refused2.status();
+    DeviceOptions bad_split{"cuda", 1024};
+    bad_split.cuda_split_keys = 0;
+    const auto refused3 = NewBackend(model, bad_split);
+    EXPECT_EQ(refused3.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused3.status().message().find("allowed >= 1"), absl::string_view::npos) << refused3.status();
+  }
+  // The attention split reaches the kernels: 16 keys a split against the default 128 on a 40-token
+  // prompt, the same logits within float32 rounding but not the same bits (another merge order).
+  {
+    std::vector<float> logits[2];
+    std::vector<int32_t> prompt(40), table = {0, 1, 2};
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((7 * i + 3) % 256);
+    for (const int i : {0, 1}) {
+      DeviceOptions o{"cuda", 1024};
+      o.cuda_split_keys = i == 0 ? 128 : 16;
+      auto backend = NewBackend(model, o);
+      ASSERT_TRUE(backend.ok()) << backend.status();
+      SequenceStep s{prompt, 0, table, false};
+      ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits[i]).ok());
+    }
+    ASSERT_EQ(logits[0].size(), logits[1].size());
+    for (size_t i = 0; i < logits[0].size(); ++i) ASSERT_NEAR(logits[0][i], logits[1][i], 1e-4) << i;
+    EXPECT_NE(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * sizeof(float)), 0);
   }
   // --weights_dtype bf16 reaches it: every projection matrix and the LM head in 2 bytes an element
   // (a tied head gets a bf16 copy beside the float32 embedding table the lookup reads).

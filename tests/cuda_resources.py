@@ -42,24 +42,28 @@ from typing import NamedTuple
 #     (64 warps/SM). At 256 threads that is 8 blocks -> R <= 65536/(8*256) = 32; at 64 threads
 #     the 32-block cap binds first and R <= 65536/(32*64) = 32 as well. Measured 10-22.
 #   - AttentionKernel (128 threads; q in shared memory; each lane owns one key of a 32-key tile
-#     (four partial dot sums over 16-byte loads, two in flight) and the accumulator for 8 output
-#     dims, acc[8], plus its online-softmax state): at least 6 blocks = 24 warps/SM (37.5%);
-#     R <= 65536/(6*128) = 85 -> 80, which `__launch_bounds__(128, 6)` hands ptxas as its cap.
-#     Measured 72-80 (both instantiations, sm_80 and sm_90: 6-7 blocks) with the RowDot loop
-#     and the V loop unrolled twice (unrolled further they spilled at 80). 37.5% is the floor below which a change
-#     should be a deliberate decision (retune, or lower the target here), not a drift.
+#     (four partial dot sums over 16-byte loads, eight in flight) and the accumulator for 8 output
+#     dims, acc[8], plus its online-softmax state; the V loop 8 keys deep): at least 4 blocks =
+#     16 warps/SM (25%); R <= 65536/(4*128) = 128, which `__launch_bounds__(128, 4)` hands ptxas.
+#     Decode attention is bound by round trips to memory, not by occupancy: on an H200, 8 loads in
+#     flight at 4 blocks/SM beat 2 at 6 blocks/SM (80 registers) by 20% at batch 1 and 8-17% at
+#     batch 64 (docs/gpu-performance.md). Measured 120-128, no spills. 25% is the floor below
+#     which a change should be a deliberate decision (retune, or lower the target here).
 #     Its dynamic shared memory (q, the warps' merge, each warp's tile of weights, row offsets and
 #     Shaw rows: AttentionSharedBytes), <= 7200 bytes per block at head_dim 256,
-#     allows far more than 6 blocks on either architecture, so registers are the binding limit.
+#     allows far more than 4 blocks on either architecture, so registers are the binding limit.
 #   - AttentionTileKernel (128 threads, prefill): the per-row kernel's work for 4 query rows at once,
 #     so a lane keeps 4 rows' partial dot sums, online-softmax state and accumulators (2 or 8 output
 #     dims each): at least 4 blocks = 16 warps/SM (25%); R <= 65536/(4*128) = 128, which
 #     `__launch_bounds__(128, 4)` hands ptxas. Measured 80-128 (sm_80 and sm_90), no spills. Each block
 #     does 4 rows' work, and a prefill grid has thousands of blocks, so 25% still fills the SMs.
 #   - LinearKernel (128 threads, the batch-invariant projection): a lane keeps 4 rows x 4 outputs
-#     of partial sums and four outputs' 16-byte weight loads in flight; at least 8 blocks = 32
-#     warps/SM (50%): R <= 65536/(8*128) = 64, which `__launch_bounds__(128, 8)` hands ptxas (the
-#     epilogue that writes k and v into the cache took sm_80 to 72 without it). Measured 56-58.
+#     of partial sums and two rounds of 16-byte loads in flight (the one-row variant: one output,
+#     eight loads in flight); a round trip to memory per round is what bounds it on a GPU (measured
+#     on an H200: one load in flight per round left the batch-64 FFN down projection at 90 us), so
+#     registers go to loads in flight rather than to occupancy: at least 4 blocks = 16 warps/SM
+#     (25%): R <= 65536/(4*128) = 128, which `__launch_bounds__(128, 4)` hands ptxas. Measured
+#     82-126 (sm_80 and sm_90), no spills.
 #   - CombineKernel (64 threads, split-K merge, runs only when keys are split): at least 50%
 #     (32 warps = 16 blocks): R <= 65536/(16*64) = 64. Measured 32 (sm_80) and 40 (sm_90).
 # `stack` is the allowed stack frame (local memory) in bytes; spills are never allowed.
@@ -80,10 +84,10 @@ BUDGETS = {
     "GatedKernel": Budget(threads=256, regs=32),  # 100%
     "AddKernel": Budget(threads=256, regs=32),  # 100%
     "WriteKvKernel": Budget(threads=64, regs=32),  # 100%: 32 blocks x 2 warps
-    "AttentionKernel": Budget(threads=128, regs=80),  # >= 37.5%: 6 blocks x 4 warps; causal and bidirectional
+    "AttentionKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps; causal and bidirectional
     "AttentionTileKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (4 query rows of state per lane)
     "CombineKernel": Budget(threads=64, regs=64),  # >= 50%: 16 blocks x 2 warps
-    "LinearKernel": Budget(threads=128, regs=64),  # >= 50%: 8 blocks x 4 warps (16 partial sums per lane)
+    "LinearKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (loads in flight over occupancy)
     # kernels/cuda/relpos_device.cu
     "RelIndexKernel": Budget(threads=256, regs=32),  # 100% (16x16 blocks)
 }

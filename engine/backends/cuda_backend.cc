@@ -60,9 +60,6 @@ struct DeviceBuffer {
   int32_t* i() const { return static_cast<int32_t*>(ptr); }
 };
 
-// Keys per attention block: longer contexts are split across blocks and merged (flash-decoding).
-constexpr int kKeysPerSplit = 128;
-
 int ActivationCode(cpu::Activation a) {
   switch (a) {
     case cpu::Activation::kRelu: return 0;
@@ -301,7 +298,7 @@ class CudaBackend final : public Backend {
             {&att_, s.tokens * w}, {&up_, s.tokens * f},
             {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
             {&work_, cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim, s.max_keys,
-                                              kKeysPerSplit)}};
+                                              options_.attention_split_keys)}};
   }
   int64_t StepBytes(const StepShape& s) {
     int64_t bytes = 0;
@@ -597,7 +594,7 @@ absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int 
     if (auto s = Norm(x_.f(), rows, p + "attn_norm", h_.f()); !s.ok()) return s;
     if (auto s = Qkv(h_.f(), rows, p); !s.ok()) return s;
     RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q(), enc, max_len, c.attention_scale, EncoderRel(l), own,
-                                                    att_.f(), work_.f(), kKeysPerSplit, stream_));
+                                                    att_.f(), work_.f(), options_.attention_split_keys, stream_));
     if (auto s = Linear(att_.f(), rows, w, p + "attn.o", d, x_.f(), -1, true); !s.ok()) return s;
     if (auto s = FeedForward(p, rows); !s.ok()) return s;
   }
@@ -744,7 +741,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
     if (auto st = Qkv(in, total, p, &pool, &rows, &written); !st.ok()) return st;
     if (!written) RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
     RELGEN_CUDA_RETURN(cuda::Attention(q(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
-                                       kKeysPerSplit, stream_, s.tiled));
+                                       options_.attention_split_keys, stream_, s.tiled));
     if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, x_.f(), -1, true); !st.ok()) return st;
     if (!pre) {
       if (auto st = Norm(x_.f(), total, p + "attn_norm", x_.f()); !st.ok()) return st;
@@ -754,7 +751,7 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
       if (auto st = Norm(x_.f(), total, p + "cross_norm", h_.f()); !st.ok()) return st;
       if (auto st = Linear(h_.f(), total, d, p + "cross.q", w, q()); !st.ok()) return st;
       RELGEN_CUDA_RETURN(cuda::Attention(q(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
-                                         att_.f(), work_.f(), kKeysPerSplit, stream_, s.tiled));
+                                         att_.f(), work_.f(), options_.attention_split_keys, stream_, s.tiled));
       if (auto st = Linear(att_.f(), total, w, p + "cross.o", d, x_.f(), -1, true); !st.ok()) return st;
     }
     if (auto st = FeedForward(p, total); !st.ok()) return st;
@@ -830,6 +827,10 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
   }
   if (o.max_step_tokens < 1 || o.max_step_seqs < 1) {
     return absl::InvalidArgumentError("the largest step needs at least one token and one sequence");
+  }
+  if (o.attention_split_keys < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention split of ", o.attention_split_keys, " keys; allowed >= 1 (default 128)"));
   }
   if (model->config().head_dim > 256) {
     return absl::InvalidArgumentError(absl::StrCat("head_dim ", model->config().head_dim,

@@ -45,6 +45,10 @@ struct CudaOptions {
   // problem's shape (a row's bits may change with the rows beside it) and needs a launch of its own
   // for bias and activation.
   bool cublas_gemms = false;
+  // Keys per attention block (flash-decoding's split): fixed, not chosen per step, because a row's
+  // bits depend on where its keys are split. Fewer keys per split give more blocks (batch 1 wants
+  // them), at the cost of more partial results to merge.
+  int attention_split_keys = 128;
   // The projections' weights (and the LM head's): float32, or bf16 (cpu::WeightType::kBf16, the CPU
   // backend's weight-only rule: rounded to nearest even at load, widened exactly, float32 sums),
   // half the weight bytes a decode step reads. bf16 needs relgen's projection kernel (not

@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     co.weight_type = weights;  // int8 refused by NewCudaBackend, naming the way out
     co.kv_type = kv_type;
     co.cublas_gemms = o.cuda_gemm == "cublas";
+    co.attention_split_keys = o.cuda_split_keys;
     co.block_size = o.kv_block_size;
     co.kv_memory_fraction = o.kv_cache_memory_fraction;
     co.max_step_tokens = o.max_step_tokens;

@@ -21,6 +21,7 @@ struct DeviceOptions {
   // CUDA projections: "invariant" (relgen's kernel, rows batch invariant) or "cublas"
   // (CudaOptions::cublas_gemms).
   std::string cuda_gemm = "invariant";
+  int cuda_split_keys = 128;  // CudaOptions::attention_split_keys
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): a device
   // backend allocates its buffers at start.
   int max_step_tokens = 512;

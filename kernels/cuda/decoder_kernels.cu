@@ -96,18 +96,13 @@ __device__ __forceinline__ float Widen(uint16_t h) { return __uint_as_float(uint
 __device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
-constexpr int kLinWarps = 4;          // per block
-constexpr int kLinOuts = 4;           // outputs per warp
-constexpr int kLinRows = 4;           // rows a warp carries at once
-constexpr int kLinRowsPerBlock = 16;  // rows per block (grid.y)
-static_assert(kLinRows * kLinOuts <= 32, "LinearKernel: one lane adds up each (row, output)");
+// Loads in flight per lane in the per-row attention kernel: 16-byte pieces of a K (or skew/Shaw
+// E) row, and V rows. A round trip to memory per round is what bounds decode attention: on an H200,
+// 8 of each against 2 took the batch-1 layer from 18.5 to 10.8 us and batch 64 from 82 to 75 us
+// (docs/gpu-performance.md). Unrolling keeps the order of every sum, so the bits are the same.
+constexpr int kRowLoads = 8, kVLoads = 8;
+constexpr int kLinWarps = 4;  // per block
 
-// One warp per kLinOuts outputs, over kLinRowsPerBlock rows kLinRows at a time. A lane reads
-// 16-byte pieces of the weight rows (k = 4 * lane + 128 * i, each weight once per kLinRows rows)
-// and of the rows of x, and keeps one partial sum per (row, output); the warp then hands the 16
-// partial sums of every lane through shared memory and lane j < 16 adds the 32 of sum j in lane
-// order. A (row, output)'s chain of operations is the same whichever rows share its pass or its
-// block, which is what makes rows batch invariant.
 // Four weights from k on (16-byte aligned floats, or 8-byte aligned bf16 bits widened exactly).
 __device__ __forceinline__ float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 Load4(const uint16_t* p) {
@@ -115,89 +110,109 @@ __device__ __forceinline__ float4 Load4(const uint16_t* p) {
   return make_float4(Lo(u.x), Hi(u.x), Lo(u.y), Hi(u.y));
 }
 
-constexpr int kLinSums = kLinRows * kLinOuts;
-template <typename TW>
-__global__ void __launch_bounds__(32 * kLinWarps, 8) LinearKernel(const float* x, int rows, int in, const TW* w,
+// One warp per kOuts outputs and one block per kRows rows (grid.y). A lane reads 16-byte pieces of
+// the weight rows (k = 4 * lane + 128 * i, each weight once for the kRows rows) and of the rows of
+// x, kChunks values of i per round with every load issued before the first use (a round trip to
+// memory is what bounds a pass), and keeps one partial sum per (row, output), adding i in order;
+// the warp then hands the partial sums of every lane through shared memory and lane j adds the 32
+// of sum j in lane order. A (row, output)'s chain of operations is that whatever kOuts, kRows and
+// kChunks are and whichever rows share its block, which is what makes rows batch invariant and
+// lets the launch pick the grouping by the row count.
+template <typename TW, int kOuts, int kRows, int kChunks>
+__global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x, int rows, int in, const TW* w,
                                                                int out, const float* bias, int act, bool residual,
                                                                float alpha, float* y, int64_t w_stride,
                                                                int64_t bias_stride, int64_t y_stride, KvPool kv,
                                                                Rows kv_rows) {
-  // Per warp [kLinSums][33]: sum j's 32 partials in a row, padded against bank conflicts.
-  __shared__ float partial[kLinWarps][kLinSums][33];
+  constexpr int kSums = kRows * kOuts;
+  static_assert(kSums <= 32, "LinearKernel: one lane adds up each (row, output)");
+  // Per warp [kSums][33]: sum j's 32 partials in a row, padded against bank conflicts.
+  __shared__ float partial[kLinWarps][kSums][33];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int o0 = (blockIdx.x * kLinWarps + warp) * kLinOuts;
+  const int o0 = (blockIdx.x * kLinWarps + warp) * kOuts;
   if (o0 >= out) return;  // no block-wide barrier below
   w += blockIdx.z * w_stride;
   y += blockIdx.z * y_stride;
   if (bias != nullptr) bias += blockIdx.z * bias_stride;
-  const int r_end = min(rows, static_cast<int>(blockIdx.y + 1) * kLinRowsPerBlock);
-  const int live_outs = min(kLinOuts, out - o0);
-  for (int r0 = blockIdx.y * kLinRowsPerBlock; r0 < r_end; r0 += kLinRows) {
-    const int live_rows = min(kLinRows, r_end - r0);
-    float acc[kLinSums];  // [row][output]
+  const int r0 = blockIdx.y * kRows;
+  const int live_rows = min(kRows, rows - r0);
+  const int live_outs = min(kOuts, out - o0);
+  float acc[kSums];  // [row][output]
 #pragma unroll
-    for (int j = 0; j < kLinSums; ++j) acc[j] = 0.f;
-    if ((in & 3) == 0) {  // rows start on 16 bytes
-      for (int k = 4 * lane; k < in; k += 128) {
-        float4 wv[kLinOuts];
+  for (int j = 0; j < kSums; ++j) acc[j] = 0.f;
+  if ((in & 3) == 0) {  // rows start on 16 bytes
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k = 4 * lane; k < in; k += 128 * kChunks) {
+      const int chunks = min(kChunks, (in - k + 127) / 128);
+      float4 wv[kChunks][kOuts], xv[kChunks][kRows];
 #pragma unroll
-        for (int o = 0; o < kLinOuts; ++o) {
-          wv[o] = o < live_outs ? Load4(w + int64_t{o0 + o} * in + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int o = 0; o < kOuts; ++o) {
+          wv[c][o] = c < chunks && o < live_outs ? Load4(w + int64_t{o0 + o} * in + k + 128 * c) : zero;
         }
 #pragma unroll
-        for (int rr = 0; rr < kLinRows; ++rr) {
-          if (rr >= live_rows) break;
-          const float4 xv = *reinterpret_cast<const float4*>(x + int64_t{r0 + rr} * in + k);
+        for (int rr = 0; rr < kRows; ++rr) {
+          xv[c][rr] = c < chunks && rr < live_rows
+                          ? *reinterpret_cast<const float4*>(x + int64_t{r0 + rr} * in + k + 128 * c)
+                          : zero;
+        }
+      }
 #pragma unroll
-          for (int o = 0; o < kLinOuts; ++o) {
-            float& a = acc[rr * kLinOuts + o];
-            a += wv[o].x * xv.x;
-            a += wv[o].y * xv.y;
-            a += wv[o].z * xv.z;
-            a += wv[o].w * xv.w;
+      for (int c = 0; c < kChunks; ++c) {
+        if (c >= chunks) break;
+#pragma unroll
+        for (int rr = 0; rr < kRows; ++rr) {
+          if (rr >= live_rows) break;
+#pragma unroll
+          for (int o = 0; o < kOuts; ++o) {
+            float& a = acc[rr * kOuts + o];
+            a += wv[c][o].x * xv[c][rr].x;
+            a += wv[c][o].y * xv[c][rr].y;
+            a += wv[c][o].z * xv[c][rr].z;
+            a += wv[c][o].w * xv[c][rr].w;
           }
         }
       }
-    } else {
-      for (int k = lane; k < in; k += 32) {
-        float wv[kLinOuts];
+    }
+  } else {
+    for (int k = lane; k < in; k += 32) {
+      float wv[kOuts];
 #pragma unroll
-        for (int o = 0; o < kLinOuts; ++o) wv[o] = o < live_outs ? Widen(w[int64_t{o0 + o} * in + k]) : 0.f;
+      for (int o = 0; o < kOuts; ++o) wv[o] = o < live_outs ? Widen(w[int64_t{o0 + o} * in + k]) : 0.f;
 #pragma unroll
-        for (int rr = 0; rr < kLinRows; ++rr) {
-          if (rr >= live_rows) break;
-          const float xv = x[int64_t{r0 + rr} * in + k];
+      for (int rr = 0; rr < kRows; ++rr) {
+        if (rr >= live_rows) break;
+        const float xv = x[int64_t{r0 + rr} * in + k];
 #pragma unroll
-          for (int o = 0; o < kLinOuts; ++o) acc[rr * kLinOuts + o] += wv[o] * xv;
-        }
+        for (int o = 0; o < kOuts; ++o) acc[rr * kOuts + o] += wv[o] * xv;
       }
     }
+  }
 #pragma unroll
-    for (int j = 0; j < kLinSums; ++j) partial[warp][j][lane] = acc[j];
-    __syncwarp();
-    const int rr = lane / kLinOuts, o = lane % kLinOuts;
-    if (lane < kLinSums && rr < live_rows && o < live_outs) {
-      float sum = 0.f;
-      for (int l = 0; l < 32; ++l) sum += partial[warp][lane][l];
-      float* const at = y + int64_t{r0 + rr} * out + o0 + o;
-      float val = alpha * sum;
-      if (bias != nullptr) val += bias[o0 + o];
-      val = Act(act, val);
-      if (kv.k != nullptr && blockIdx.z > 0) {  // k (z = 1) or v (z = 2) straight into the cache, as WriteKv
-        const int row = r0 + rr, col = o0 + o;
-        const int64_t dst = RowOffset(kv, kv_rows.block_tables + kv_rows.table_offset[row], col / kv.head_dim,
-                                      kv_rows.position[row]) + col % kv.head_dim;
-        void* const pool = blockIdx.z == 1 ? kv.k : kv.v;
-        if (kv.type == KvElem::kBf16) {
-          Store(static_cast<uint16_t*>(pool) + dst, val);
-        } else {
-          Store(static_cast<float*>(pool) + dst, val);
-        }
+  for (int j = 0; j < kSums; ++j) partial[warp][j][lane] = acc[j];
+  __syncwarp();
+  const int rr = lane / kOuts, o = lane % kOuts;
+  if (lane < kSums && rr < live_rows && o < live_outs) {
+    float sum = 0.f;
+    for (int l = 0; l < 32; ++l) sum += partial[warp][lane][l];
+    float* const at = y + int64_t{r0 + rr} * out + o0 + o;
+    float val = alpha * sum;
+    if (bias != nullptr) val += bias[o0 + o];
+    val = Act(act, val);
+    if (kv.k != nullptr && blockIdx.z > 0) {  // k (z = 1) or v (z = 2) straight into the cache, as WriteKv
+      const int row = r0 + rr, col = o0 + o;
+      const int64_t dst = RowOffset(kv, kv_rows.block_tables + kv_rows.table_offset[row], col / kv.head_dim,
+                                    kv_rows.position[row]) + col % kv.head_dim;
+      void* const pool = blockIdx.z == 1 ? kv.k : kv.v;
+      if (kv.type == KvElem::kBf16) {
+        Store(static_cast<uint16_t*>(pool) + dst, val);
       } else {
-        *at = residual ? *at + val : val;
+        Store(static_cast<float*>(pool) + dst, val);
       }
+    } else {
+      *at = residual ? *at + val : val;
     }
-    __syncwarp();  // the next pass overwrites what lanes may still read
   }
 }
 
@@ -237,15 +252,16 @@ __device__ __forceinline__ int T5SignedBucket(const int32_t* table, int table_le
 // thread, the row read once for all of them. Per q row four independent sums over 16-byte loads
 // where head_dim allows (rows start at multiples of head_dim floats), added as (s0 + s1) + (s2 + s3):
 // a q row's chain is the same whatever kQ and nq are, which is what makes the tiled kernel's
-// scores those of the per-row kernel bit for bit.
-template <int kQ>
+// scores those of the per-row kernel bit for bit. kLoads: 16-byte loads in flight (the loop's
+// unrolling; the order of the sums is the same).
+template <int kQ, int kLoads = 2>
 __device__ __forceinline__ void RowDots(const float* qs, int nq, const float* row, int hd, float* dots) {
   float s[kQ][4];
 #pragma unroll
   for (int q = 0; q < kQ; ++q) s[q][0] = s[q][1] = s[q][2] = s[q][3] = 0.f;
   if ((hd & 3) == 0) {
     const float4* r4 = reinterpret_cast<const float4*>(row);
-#pragma unroll 2
+#pragma unroll kLoads
     for (int i = 0; i < hd / 4; ++i) {
       const float4 a = r4[i];
 #pragma unroll
@@ -274,14 +290,14 @@ __device__ __forceinline__ void RowDots(const float* qs, int nq, const float* ro
 
 // The same over a bf16 row: 16-byte loads of eight elements where head_dim allows, each element
 // widened exactly and summed into the partial sum a float row's element would go to.
-template <int kQ>
+template <int kQ, int kLoads = 2>
 __device__ __forceinline__ void RowDots(const float* qs, int nq, const uint16_t* row, int hd, float* dots) {
   float s[kQ][4];
 #pragma unroll
   for (int q = 0; q < kQ; ++q) s[q][0] = s[q][1] = s[q][2] = s[q][3] = 0.f;
   if ((hd & 7) == 0) {
     const uint4* r8 = reinterpret_cast<const uint4*>(row);
-#pragma unroll 2
+#pragma unroll kLoads
     for (int i = 0; i < hd / 8; ++i) {
       const uint4 a = r8[i];
 #pragma unroll
@@ -313,10 +329,10 @@ __device__ __forceinline__ void RowDots(const float* qs, int nq, const uint16_t*
   for (int q = 0; q < kQ; ++q) dots[q] = (s[q][0] + s[q][1]) + (s[q][2] + s[q][3]);
 }
 
-template <typename T>
+template <int kLoads, typename T>
 __device__ __forceinline__ float RowDot(const float* qs, const T* row, int hd) {
   float dot;
-  RowDots<1>(qs, 1, row, hd, &dot);
+  RowDots<1, kLoads>(qs, 1, row, hd, &dot);
   return dot;
 }
 
@@ -328,7 +344,7 @@ __device__ __forceinline__ float WarpMax(float v) {
 // The score of query q (shared memory; at position pos) against key j whose q.K is `dot`: the
 // relative term of their distance added (skew's and Shaw's q.E row, T5's bucket, ALiBi's slope).
 // kBidirectional (an encoder): T5's buckets from the signed table.
-template <bool kBidirectional>
+template <bool kBidirectional, int kLoads>
 __device__ __forceinline__ float Score(const Relative& rel, float scale, float dot, const float* qs, int hd, int h,
                                        int pos, int j) {
   const int th = rel.heads_share ? 0 : h;
@@ -343,11 +359,11 @@ __device__ __forceinline__ float Score(const Relative& rel, float scale, float d
       case relpos::Scheme::kSkew:
       case relpos::Scheme::kSkewLocal: {
         const int row = relpos::SkewRow(dist, rel.rows);
-        if (row >= 0) rv = RowDot(qs, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd);
+        if (row >= 0) rv = RowDot<kLoads>(qs, rel.table_k + (int64_t{th} * rel.rows + row) * hd, hd);
         break;
       }
       case relpos::Scheme::kShaw:
-        rv = RowDot(qs, rel.table_k + (int64_t{th} * rel.rows + relpos::ShawRow(pos, j, rel.clip_k)) * hd, hd);
+        rv = RowDot<kLoads>(qs, rel.table_k + (int64_t{th} * rel.rows + relpos::ShawRow(pos, j, rel.clip_k)) * hd, hd);
         break;
       case relpos::Scheme::kT5:
         rv = rel.t5_bias[th * rel.t5_num_buckets +
@@ -421,9 +437,10 @@ __device__ __forceinline__ int SplitEnd(const Rows& rows, int r, int begin, int 
 // and every lane accumulates its head_dim / 32 output elements over the tile's V rows. The warps
 // merge at the end. kBidirectional (an encoder): the row sees keys 0..rows.keys[r]-1 on both sides;
 // otherwise causal. T: the pool's element (float, or uint16_t bf16 bits).
-// At least 6 resident blocks per SM (tests/cuda_resources.py): caps ptxas at 80 registers.
+// At least 4 resident blocks per SM (tests/cuda_resources.py): caps ptxas at 128 registers, which
+// go to loads in flight (kRowLoads, kVLoads).
 template <bool kBidirectional, typename T>
-__global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q, Rows rows, float scale, Relative rel, KvPool kv, float* out,
+__global__ void __launch_bounds__(32 * kWarps, 4) AttentionKernel(const float* q, Rows rows, float scale, Relative rel, KvPool kv, float* out,
                                 float* workspace, int keys_per_split) {
   const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -465,7 +482,7 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
     int64_t off = 0;
     if (j < end) {
       off = RowOffset(kv, table, h, j);
-      s = Score<kBidirectional>(rel, scale, RowDot(qs, pk + off, hd), qs, hd, h, pos, j);
+      s = Score<kBidirectional, kRowLoads>(rel, scale, RowDot<kRowLoads>(qs, pk + off, hd), qs, hd, h, pos, j);
     }
     float corr;
     const float p = OnlineSoftmax(s, j < end, m, l, &corr);
@@ -477,7 +494,7 @@ __global__ void __launch_bounds__(32 * kWarps, 6) AttentionKernel(const float* q
     tile_off[lane] = off;
     __syncwarp();
     const int live = min(32, end - base);
-#pragma unroll 2
+#pragma unroll kVLoads
     for (int i = 0; i < live; ++i) {
       const float pi = tile_p[i];
       const T* vj = pv + tile_off[i];
@@ -585,7 +602,7 @@ __global__ void __launch_bounds__(32 * kWarps, 4) AttentionTileKernel(const floa
       for (int i = 0; i < kQ; ++i) {
         if (i >= nq) break;
         if (base >= end[i]) continue;  // past this row's keys: the per-row kernel has no such tile
-        const float s = j < end[i] ? Score<kBidirectional>(rel, scale, dots[i], qs + i * hd, hd, h, pos[i], j) : -INFINITY;
+        const float s = j < end[i] ? Score<kBidirectional, 2>(rel, scale, dots[i], qs + i * hd, hd, h, pos[i], j) : -INFINITY;
         float corr;
         tile_p[i * 32 + lane] = OnlineSoftmax(s, j < end[i], m[i], l[i], &corr);
 #pragma unroll
@@ -658,22 +675,37 @@ size_t AttentionTileSharedBytes(int hd) {
   return sizeof(float) * floats + kWarps * 32 * sizeof(int64_t);
 }
 
-// Merges the key splits of each (row, head).
+__host__ __device__ constexpr int CombinePadded(int splits) { return (splits + 3) / 4 * 4; }
+
+// Merges the key splits of each (row, head): each split's weight exp(m_s - max) once, into shared
+// memory (a split with no keys gets -1: none), then every output dim and the total add the splits in
+// order.
 __global__ void CombineKernel(const float* workspace, int splits, int n_heads, int hd, float* out) {
+  RELGEN_DYNAMIC_SHARED(float, weight);  // [splits]; -1 marks a split with no keys
+  __shared__ float warp_big[32];
   const int r = blockIdx.x, h = blockIdx.y;
   const float* parts = workspace + (int64_t{r} * n_heads + h) * splits * (hd + 2);
   float big = -INFINITY;
-  for (int s = 0; s < splits; ++s) big = fmaxf(big, parts[s * (hd + 2)]);
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) big = fmaxf(big, parts[s * (hd + 2)]);
+  for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+  if ((threadIdx.x & 31) == 0) warp_big[threadIdx.x >> 5] = big;
+  __syncthreads();
+  big = warp_big[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) big = fmaxf(big, warp_big[w]);
+  // Padded to whole 16-byte words: ptxas reads the weights four at a time, past the last split.
+  for (int s = threadIdx.x; s < CombinePadded(splits); s += blockDim.x) {
+    const float ms = s < splits ? parts[s * (hd + 2)] : -INFINITY;
+    weight[s] = ms != -INFINITY ? __expf(ms - big) : -1.f;
+  }
+  __syncthreads();
   float total = 0.f;
   for (int s = 0; s < splits; ++s) {
-    const float ms = parts[s * (hd + 2)];
-    if (ms != -INFINITY) total += parts[s * (hd + 2) + 1] * __expf(ms - big);
+    if (weight[s] >= 0.f) total += parts[s * (hd + 2) + 1] * weight[s];
   }
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float a = 0.f;
     for (int s = 0; s < splits; ++s) {
-      const float ms = parts[s * (hd + 2)];
-      if (ms != -INFINITY) a += parts[s * (hd + 2) + 2 + d] * __expf(ms - big);
+      if (weight[s] >= 0.f) a += parts[s * (hd + 2) + 2 + d] * weight[s];
     }
     out[int64_t{r} * n_heads * hd + h * hd + d] = a / total;
   }
@@ -712,9 +744,20 @@ cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out,
                          const Rows& kv_rows = Rows{}) {
   if (in < 1 || out < 1 || batch < 1) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  const dim3 grid(Blocks(out, kLinWarps * kLinOuts), Blocks(rows, kLinRowsPerBlock), batch);
-  RELGEN_LAUNCH(LinearKernel<TW>, grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y,
-                                                              w_stride, bias_stride, y_stride, kv, kv_rows);
+  // One row (a batch-1 decode step): a warp per output, eight 16-byte loads in flight per lane, so
+  // the grid has 4x the warps and each a quarter of the round trips. Otherwise 4 outputs x 4 rows
+  // per warp, two loads of each in flight. The same bits either way (see LinearKernel).
+  if (rows == 1) {
+    const dim3 grid(Blocks(out, kLinWarps), 1, batch);
+    RELGEN_LAUNCH((LinearKernel<TW, 1, 1, 8>), grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual,
+                                                                         alpha, y, w_stride, bias_stride, y_stride,
+                                                                         kv, kv_rows);
+  } else {
+    const dim3 grid(Blocks(out, kLinWarps * 4), Blocks(rows, 4), batch);
+    RELGEN_LAUNCH((LinearKernel<TW, 4, 4, 2>), grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual,
+                                                                         alpha, y, w_stride, bias_stride, y_stride,
+                                                                         kv, kv_rows);
+  }
   return cudaGetLastError();
 }
 
@@ -818,7 +861,8 @@ cudaError_t LaunchAttention(const float* q, const Rows& rows, int max_keys, floa
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
-  RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, 0, s)(workspace, splits, kv.n_heads, kv.head_dim, out);
+  RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, CombinePadded(splits) * sizeof(float), s)(workspace, splits, kv.n_heads,
+                                                                                       kv.head_dim, out);
   return cudaGetLastError();
 }
 

@@ -88,7 +88,8 @@ struct Result {
 };
 
 Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
-                 cpu::WeightType weights, cpu::KvType kv_type, const std::string& device) {
+                 cpu::WeightType weights, cpu::KvType kv_type, const std::string& device,
+                 const std::string& cuda_gemm, int split_keys) {
   const int bs = 16;
   const int per_seq = BlocksForTokens(context + steps + 1, bs);
   Result r;
@@ -106,6 +107,8 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
     o.kv_block_size = bs;
     o.weights_dtype = cpu::WeightTypeName(weights);
     o.kv_cache_dtype = cpu::KvTypeName(kv_type);
+    o.cuda_gemm = cuda_gemm;
+    o.cuda_split_keys = split_keys;
     o.max_step_tokens = batch * context;
     o.max_step_seqs = batch;
     auto made = NewBackend(model, o);
@@ -114,6 +117,12 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
       return r;
     }
     backend = *std::move(made);
+    static bool named = false;
+    if (!named) {
+      named = true;
+      std::printf("backend: %s (%s projections, %d keys per attention split)\n", backend->device().c_str(),
+                  cuda_gemm.c_str(), split_keys);
+    }
   }
   std::vector<std::vector<int32_t>> tables(batch);
   for (int b = 0; b < batch; ++b) {
@@ -288,7 +297,8 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::printf("repetition %d of %d\n", rep + 1, o.reps);
     std::fflush(stdout);
     for (Cell& c : cells) {
-      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type, o.device);
+      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type, o.device,
+                                 o.cuda_gemm, o.cuda_split_keys);
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
@@ -349,7 +359,9 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::ofstream(o.json_out) << json({{"read_bandwidth_Bps", read_bw}, {"copy_bandwidth_Bps", copy_bw},
                                        {"gemm_flops", gemm_flops}, {"roofline_flops", flops},
                                        {"roofline_source", gpu ? "--device_GBps" : o.machine.empty() ? "own probes" : o.machine},
-                                       {"device", o.device}, {"threads", threads}, {"peer", peer ? peer_name : "none"},
+                                       {"device", o.device}, {"cuda_gemm", gpu ? json(o.cuda_gemm) : json(nullptr)},
+                                       {"cuda_split_keys", gpu ? json(o.cuda_split_keys) : json(nullptr)},
+                                       {"threads", threads}, {"peer", peer ? peer_name : "none"},
                                        {"weights_dtype", cpu::WeightTypeName(o.weights)},
                                        {"kv_cache_dtype", cpu::KvTypeName(o.kv_type)},
                                        {"repetitions", o.reps}, {"results", rows}}).dump(2);

@@ -33,6 +33,8 @@ struct EngineBenchOptions {
   // `device_gbps` (the card's nominal HBM figure, e.g. 3350 for an H100 SXM): 0 leaves it out.
   std::string device = "cpu";
   double device_gbps = 0;
+  std::string cuda_gemm = "invariant";  // the CUDA projections: invariant or cublas
+  int cuda_split_keys = 128;             // keys per attention block on CUDA
 };
 
 int RunEngineBench(const EngineBenchOptions& options);
