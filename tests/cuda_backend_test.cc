@@ -61,6 +61,14 @@ T* Upload(const std::vector<T>& v) {
   return d;
 }
 
+// n floats back from the device, which are then freed.
+std::vector<float> TakeBack(float* d, size_t n) {
+  std::vector<float> h(n);
+  EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(d);
+  return h;
+}
+
 struct AttnCase {
   relpos::Scheme scheme;
   int param;  // skew M / shaw k
@@ -846,13 +854,10 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
       SCOPED_TRACE("act " + std::to_string(e.act) + (e.residual ? " residual" : "") + (e.bias ? " bias" : ""));
       // Rows [first, first + n) as one launch, y starting from y0's rows.
       auto run = [&](int first, int n) {
-        std::vector<float> got(size_t(n) * out);
         float* dy = Upload(std::vector<float>(y0.begin() + size_t(first) * out, y0.begin() + size_t(first + n) * out));
         EXPECT_EQ(cuda::Linear(dx + size_t(first) * in, n, in, dw, out, e.bias, e.act, e.residual, e.alpha, dy, nullptr),
                   cudaSuccess);
-        EXPECT_EQ(cudaMemcpy(got.data(), dy, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-        cudaFree(dy);
-        return got;
+        return TakeBack(dy, size_t(n) * out);
       };
       const std::vector<float> all = run(0, rows);
       for (int r = 0; r < rows; ++r) {
@@ -947,14 +952,11 @@ TEST(CudaKernelsTest, LinearReadsThroughRowNorm) {
       SCOPED_TRACE("in " + std::to_string(in) + ", norm " + std::to_string(kind));
       const cuda::RowNorm norm{dg, kind == 0 ? db : nullptr, kind < 2, 1e-5f};
       auto run = [&](int first, int n) {
-        std::vector<float> got(size_t(n) * out);
-        float* dy = Upload(std::vector<float>(got.size(), NAN));
+        float* dy = Upload(std::vector<float>(size_t(n) * out, NAN));
         EXPECT_EQ(cuda::Linear(dx + size_t(first) * in, n, in, dw, out, dbias, -1, false, 1.f, dy, nullptr, 1, 0, 0,
                                0, norm),
                   cudaSuccess);
-        EXPECT_EQ(cudaMemcpy(got.data(), dy, got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-        cudaFree(dy);
-        return got;
+        return TakeBack(dy, size_t(n) * out);
       };
       const std::vector<float> all = run(0, rows);
       for (int r = 0; r < rows; ++r) {
