@@ -59,8 +59,7 @@ from typing import NamedTuple
 #     does 4 rows' work, and a prefill grid has thousands of blocks, so 25% still fills the SMs.
 #   - LinearKernel (128 threads, the batch-invariant projection): a lane keeps 4 rows x 4 outputs
 #     of partial sums and two rounds of 16-byte loads in flight (the one-row variant: one output,
-#     eight loads in flight, four when it reads x through a row norm, whose weights take the rest;
-#     the norm variants also keep each row's mean and scale); a round trip to memory per round is what bounds it on a GPU (measured
+#     eight loads in flight); a round trip to memory per round is what bounds it on a GPU (measured
 #     on an H200: one load in flight per round left the batch-64 FFN down projection at 90 us), so
 #     registers go to loads in flight rather than to occupancy: at least 4 blocks = 16 warps/SM
 #     (25%): R <= 65536/(4*128) = 128, which `__launch_bounds__(128, 4)` hands ptxas. Measured

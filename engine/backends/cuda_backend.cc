@@ -357,18 +357,11 @@ class CudaBackend final : public Backend {
   // relgen's projection kernel over the matrix `name` in whichever type it is stored.
   cudaError_t Project(const float* x, int rows, int in, const std::string& name, int out, const float* bias, int act,
                       bool residual, float alpha, float* y, int batch = 1, int64_t w_stride = 0,
-                      int64_t bias_stride = 0, int64_t y_stride = 0, const cuda::RowNorm& norm = cuda::RowNorm{}) {
+                      int64_t bias_stride = 0, int64_t y_stride = 0) {
     return WithMatrix(name, [&](auto w) {
       return cuda::Linear(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride, bias_stride,
-                          y_stride, norm);
+                          y_stride);
     });
-  }
-  // The pre-norm `p` (attn_norm, ffn_norm, final_norm) as relgen's projection kernel reads it: no
-  // launch of its own (cuda::RowNorm). With cuBLAS's projections nothing is folded (weight null).
-  cuda::RowNorm Folded(const std::string& p) const {
-    if (options_.cublas_gemms) return cuda::RowNorm{};
-    const ModelConfig& c = model_->config();
-    return cuda::RowNorm{W(p + ".weight"), W(p + ".bias"), c.norm == NormKind::kLayerNorm, c.norm_eps};
   }
   // Where a projection's matrix starts, in bytes, whichever its type (for the fused QKV's layout).
   const char* WeightBytes(const std::string& name) const {
@@ -378,10 +371,9 @@ class CudaBackend final : public Backend {
   // y[rows, out] = x[rows, in] * W^T (+ bias, + activation), or with `residual` y += x * W^T (+ bias):
   // the residual add as the GEMM's beta, no launch of its own. Row-major through column-major cuBLAS.
   absl::Status Linear(const float* x, int rows, int in, const std::string& w, int out, float* y, int act = -1,
-                      bool residual = false, const cuda::RowNorm& norm = cuda::RowNorm{}) {
+                      bool residual = false) {
     if (!options_.cublas_gemms) {
-      RELGEN_CUDA_RETURN(
-          Project(x, rows, in, w + ".weight", out, W(w + ".bias"), act, residual, 1.f, y, 1, 0, 0, 0, norm));
+      RELGEN_CUDA_RETURN(Project(x, rows, in, w + ".weight", out, W(w + ".bias"), act, residual, 1.f, y));
       return absl::OkStatus();
     }
     const float one = 1.f, beta = residual ? 1.f : 0.f;
@@ -401,10 +393,8 @@ class CudaBackend final : public Backend {
   // strided-batched GEMM over the fused weights and at most one bias launch.
   // With `cache`, k and v may go straight into the layer's pool at `cache_rows` (relgen's fused
   // projection); *written says whether they did, else they are in k(), v() for WriteKv.
-  // With `norm` (Folded), x is read through that norm.
   absl::Status Qkv(const float* x, int rows, const std::string& p, const cuda::KvPool* cache = nullptr,
-                   const cuda::Rows* cache_rows = nullptr, bool* written = nullptr,
-                   const cuda::RowNorm& norm = cuda::RowNorm{}) {
+                   const cuda::Rows* cache_rows = nullptr, bool* written = nullptr) {
     if (written != nullptr) *written = false;
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width();
@@ -414,7 +404,7 @@ class CudaBackend final : public Backend {
     const char* at = WeightBytes(p + "attn.q.weight");
     if (WeightBytes(p + "attn.k.weight") != at + wd * eb || WeightBytes(p + "attn.v.weight") != at + 2 * wd * eb) {
       for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
-        if (auto s = Linear(x, rows, d, p + name, w, out, -1, false, norm); !s.ok()) return s;
+        if (auto s = Linear(x, rows, d, p + name, w, out); !s.ok()) return s;
       }
       return absl::OkStatus();
     }
@@ -424,17 +414,16 @@ class CudaBackend final : public Backend {
       if (fused_bias || (bq == nullptr && W(p + "attn.k.bias") == nullptr && W(p + "attn.v.bias") == nullptr)) {
         if (cache != nullptr) {
           RELGEN_CUDA_RETURN(WithMatrix(p + "attn.q.weight", [&](auto wqkv) {
-            return cuda::QkvToCache(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_, norm);
+            return cuda::QkvToCache(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_);
           }));
           *written = true;
           return absl::OkStatus();
         }
-        RELGEN_CUDA_RETURN(
-            Project(x, rows, d, p + "attn.q.weight", w, bq, -1, false, 1.f, q(), 3, wd, w, QkvStride(), norm));
+        RELGEN_CUDA_RETURN(Project(x, rows, d, p + "attn.q.weight", w, bq, -1, false, 1.f, q(), 3, wd, w, QkvStride()));
         return absl::OkStatus();
       }
       for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
-        if (auto s = Linear(x, rows, d, p + name, w, out, -1, false, norm); !s.ok()) return s;
+        if (auto s = Linear(x, rows, d, p + name, w, out); !s.ok()) return s;
       }
       return absl::OkStatus();
     }
@@ -570,22 +559,18 @@ absl::Status CudaBackend::FeedForward(const std::string& p, int rows) {
   const int d = c.d_model, f = c.ffn_dim;
   const bool pre = c.norm_placement == NormPlacement::kPre;
   const float* in = x_.f();
-  cuda::RowNorm norm;
   if (pre) {
-    norm = Folded(p + "ffn_norm");
-    if (norm.weight == nullptr) {
-      if (auto s = Norm(x_.f(), rows, p + "ffn_norm", h_.f()); !s.ok()) return s;
-      in = h_.f();
-    }
+    if (auto s = Norm(x_.f(), rows, p + "ffn_norm", h_.f()); !s.ok()) return s;
+    in = h_.f();
   }
   const int act = ActivationCode(c.ffn_activation);
   if (c.ffn_gated) {
-    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), -1, false, norm); !s.ok()) return s;
-    if (auto s = Linear(in, rows, d, p + "ffn.gate", f, gate_.f(), -1, false, norm); !s.ok()) return s;
+    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f()); !s.ok()) return s;
+    if (auto s = Linear(in, rows, d, p + "ffn.gate", f, gate_.f()); !s.ok()) return s;
     RELGEN_CUDA_RETURN(cuda::ActivateGated(act, gate_.f(), up_.f(), int64_t{rows} * f, stream_));
     if (auto s = Linear(gate_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true); !s.ok()) return s;
   } else {
-    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), act, false, norm); !s.ok()) return s;
+    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
     if (auto s = Linear(up_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true); !s.ok()) return s;
   }
   if (!pre) {
@@ -747,17 +732,13 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("layers.", l, ".");
     const float* in = x_.f();
-    cuda::RowNorm norm;
     if (pre) {
-      norm = Folded(p + "attn_norm");
-      if (norm.weight == nullptr) {
-        if (auto st = Norm(x_.f(), total, p + "attn_norm", h_.f()); !st.ok()) return st;
-        in = h_.f();
-      }
+      if (auto st = Norm(x_.f(), total, p + "attn_norm", h_.f()); !st.ok()) return st;
+      in = h_.f();
     }
     const cuda::KvPool pool = Pool(l);
     bool written = false;
-    if (auto st = Qkv(in, total, p, &pool, &rows, &written, norm); !st.ok()) return st;
+    if (auto st = Qkv(in, total, p, &pool, &rows, &written); !st.ok()) return st;
     if (!written) RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
     RELGEN_CUDA_RETURN(cuda::Attention(q(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
                                        options_.attention_split_keys, stream_, s.tiled));
@@ -778,15 +759,13 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
   // The kept rows (gathered like an embedding lookup), the final norm, the vocabulary projection
   // (whose alpha is the lm_head input scale: tied T5's d_model^-0.5, else 1).
   RELGEN_CUDA_RETURN(cuda::Embedding(s.keep, kept, x_.f(), d, 1.f, h_.f(), stream_));
-  const cuda::RowNorm final_norm = pre ? Folded("final_norm") : cuda::RowNorm{};
-  if (pre && final_norm.weight == nullptr) {
+  if (pre) {
     if (auto st = Norm(h_.f(), kept, "final_norm", h_.f()); !st.ok()) return st;
   }
   const float alpha = c.lm_head_input_scale, zero = 0.f;
   const float* head = W("lm_head.weight");
   if (!options_.cublas_gemms) {
-    RELGEN_CUDA_RETURN(Project(h_.f(), kept, d, "lm_head.weight", c.vocab_size, nullptr, -1, false, alpha, logits_d_.f(),
-                               1, 0, 0, 0, final_norm));
+    RELGEN_CUDA_RETURN(Project(h_.f(), kept, d, "lm_head.weight", c.vocab_size, nullptr, -1, false, alpha, logits_d_.f()));
     return absl::OkStatus();
   }
   RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &alpha, head, d, h_.f(),

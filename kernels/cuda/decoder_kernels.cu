@@ -118,35 +118,12 @@ __device__ __forceinline__ float4 Load4(const uint16_t* p) {
 // of sum j in lane order. A (row, output)'s chain of operations is that whatever kOuts, kRows and
 // kChunks are and whichever rows share its block, which is what makes rows batch invariant and
 // lets the launch pick the grouping by the row count.
-// A row's mean (LayerNorm; 0 for RmsNorm) and 1/sqrt(variance + eps), the same in every lane and
-// in every warp that reads the row: lane-strided sums, then the warp's butterfly.
-__device__ __forceinline__ void RowStats(const float* xr, int in, const RowNorm& n, int lane, float* mean,
-                                         float* inv) {
-  float m = 0.f;
-  if (n.layernorm) {
-    float s = 0.f;
-    for (int k = lane; k < in; k += 32) s += xr[k];
-    m = WarpSum(s) / static_cast<float>(in);
-  }
-  float ss = 0.f;
-  for (int k = lane; k < in; k += 32) {
-    const float d = xr[k] - m;
-    ss = fmaf(d, d, ss);
-  }
-  *mean = m;
-  *inv = rsqrtf(WarpSum(ss) / static_cast<float>(in) + n.eps);
-}
-// x normalised: ((x - mean) * inv) * weight + bias, one rounding for the last two.
-__device__ __forceinline__ float Normed(float x, float mean, float inv, float g, float b) {
-  return fmaf((x - mean) * inv, g, b);
-}
-
-template <typename TW, int kOuts, int kRows, int kChunks, bool kNorm>
+template <typename TW, int kOuts, int kRows, int kChunks>
 __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x, int rows, int in, const TW* w,
                                                                int out, const float* bias, int act, bool residual,
                                                                float alpha, float* y, int64_t w_stride,
                                                                int64_t bias_stride, int64_t y_stride, KvPool kv,
-                                                               Rows kv_rows, RowNorm norm) {
+                                                               Rows kv_rows) {
   constexpr int kSums = kRows * kOuts;
   static_assert(kSums <= 32, "LinearKernel: one lane adds up each (row, output)");
   // Per warp [kSums][33]: sum j's 32 partials in a row, padded against bank conflicts.
@@ -163,13 +140,6 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
   float acc[kSums];  // [row][output]
 #pragma unroll
   for (int j = 0; j < kSums; ++j) acc[j] = 0.f;
-  float mean[kRows], inv[kRows];
-#pragma unroll
-  for (int rr = 0; rr < kRows; ++rr) {
-    mean[rr] = 0.f;
-    inv[rr] = 1.f;
-    if (kNorm && rr < live_rows) RowStats(x + int64_t{r0 + rr} * in, in, norm, lane, &mean[rr], &inv[rr]);
-  }
   if ((in & 3) == 0) {  // rows start on 16 bytes
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int k = 4 * lane; k < in; k += 128 * kChunks) {
@@ -191,19 +161,9 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         if (c >= chunks) break;
-        float4 g = zero, b = zero;
-        if (kNorm) {
-          g = *reinterpret_cast<const float4*>(norm.weight + k + 128 * c);
-          if (norm.bias != nullptr) b = *reinterpret_cast<const float4*>(norm.bias + k + 128 * c);
-        }
 #pragma unroll
         for (int rr = 0; rr < kRows; ++rr) {
           if (rr >= live_rows) break;
-          if (kNorm) {
-            float4& v = xv[c][rr];
-            v = make_float4(Normed(v.x, mean[rr], inv[rr], g.x, b.x), Normed(v.y, mean[rr], inv[rr], g.y, b.y),
-                            Normed(v.z, mean[rr], inv[rr], g.z, b.z), Normed(v.w, mean[rr], inv[rr], g.w, b.w));
-          }
 #pragma unroll
           for (int o = 0; o < kOuts; ++o) {
             float& a = acc[rr * kOuts + o];
@@ -223,8 +183,7 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
 #pragma unroll
       for (int rr = 0; rr < kRows; ++rr) {
         if (rr >= live_rows) break;
-        float xv = x[int64_t{r0 + rr} * in + k];
-        if (kNorm) xv = Normed(xv, mean[rr], inv[rr], norm.weight[k], norm.bias != nullptr ? norm.bias[k] : 0.f);
+        const float xv = x[int64_t{r0 + rr} * in + k];
 #pragma unroll
         for (int o = 0; o < kOuts; ++o) acc[rr * kOuts + o] += wv[o] * xv;
       }
@@ -781,70 +740,58 @@ namespace {
 template <typename TW>
 cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out, const float* bias, int act,
                          bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
-                         int64_t bias_stride, int64_t y_stride, const RowNorm& norm, const KvPool& kv = KvPool{},
+                         int64_t bias_stride, int64_t y_stride, const KvPool& kv = KvPool{},
                          const Rows& kv_rows = Rows{}) {
   if (in < 1 || out < 1 || batch < 1) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   // One row (a batch-1 decode step): a warp per output, eight 16-byte loads in flight per lane, so
   // the grid has 4x the warps and each a quarter of the round trips. Otherwise 4 outputs x 4 rows
   // per warp, two loads of each in flight. The same bits either way (see LinearKernel).
-  if (norm.weight != nullptr && (in & 3) == 0 &&
-      ((reinterpret_cast<uintptr_t>(norm.weight) | reinterpret_cast<uintptr_t>(norm.bias)) & 15) != 0) {
-    return cudaErrorInvalidValue;  // read 16 bytes at a time beside x's rows
-  }
-  // With a norm, four loads in flight for one row: its weights and bias take the registers.
-  const dim3 one_row(Blocks(out, kLinWarps), 1, batch), rows4(Blocks(out, kLinWarps * 4), Blocks(rows, 4), batch);
-  if (norm.weight != nullptr) {
-    if (rows == 1) {
-      RELGEN_LAUNCH((LinearKernel<TW, 1, 1, 4, true>), one_row, 32 * kLinWarps, 0, s)(
-          x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, norm);
-    } else {
-      RELGEN_LAUNCH((LinearKernel<TW, 4, 4, 2, true>), rows4, 32 * kLinWarps, 0, s)(
-          x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, norm);
-    }
-  } else if (rows == 1) {
-    RELGEN_LAUNCH((LinearKernel<TW, 1, 1, 8, false>), one_row, 32 * kLinWarps, 0, s)(
-        x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, norm);
+  if (rows == 1) {
+    const dim3 grid(Blocks(out, kLinWarps), 1, batch);
+    RELGEN_LAUNCH((LinearKernel<TW, 1, 1, 8>), grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual,
+                                                                         alpha, y, w_stride, bias_stride, y_stride,
+                                                                         kv, kv_rows);
   } else {
-    RELGEN_LAUNCH((LinearKernel<TW, 4, 4, 2, false>), rows4, 32 * kLinWarps, 0, s)(
-        x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, norm);
+    const dim3 grid(Blocks(out, kLinWarps * 4), Blocks(rows, 4), batch);
+    RELGEN_LAUNCH((LinearKernel<TW, 4, 4, 2>), grid, 32 * kLinWarps, 0, s)(x, rows, in, w, out, bias, act, residual,
+                                                                         alpha, y, w_stride, bias_stride, y_stride,
+                                                                         kv, kv_rows);
   }
   return cudaGetLastError();
 }
 
 template <typename TW>
 cudaError_t LaunchQkvToCache(const float* x, int rows, int in, const TW* w, int width, const float* bias, float* q,
-                             const KvPool& kv, const Rows& kv_rows, cudaStream_t s, const RowNorm& norm) {
+                             const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
   if (kv.k == nullptr || kv.v == nullptr || kv.n_heads * kv.head_dim != width || kv_rows.n != rows) {
     return cudaErrorInvalidValue;
   }
   return LaunchLinear(x, rows, in, w, width, bias, -1, false, 1.f, q, s, 3, int64_t{width} * in,
-                      bias != nullptr ? width : 0, 0, norm, kv, kv_rows);
+                      bias != nullptr ? width : 0, 0, kv, kv_rows);
 }
 }  // namespace
 
 cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, const float* bias, int act, bool residual,
                    float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride, int64_t bias_stride,
-                   int64_t y_stride, const RowNorm& norm) {
-  return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride,
-                      norm);
+                   int64_t y_stride) {
+  return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride);
 }
 
 cudaError_t Linear(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int act,
                    bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
-                   int64_t bias_stride, int64_t y_stride, const RowNorm& norm) {
-  return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride,
-                      norm);
+                   int64_t bias_stride, int64_t y_stride) {
+  return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride);
 }
 
 cudaError_t QkvToCache(const float* x, int rows, int in, const float* w, int width, const float* bias, float* q,
-                       const KvPool& kv, const Rows& kv_rows, cudaStream_t s, const RowNorm& norm) {
-  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s, norm);
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
+  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s);
 }
 
 cudaError_t QkvToCache(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
-                       const KvPool& kv, const Rows& kv_rows, cudaStream_t s, const RowNorm& norm) {
-  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s, norm);
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
+  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s);
 }
 
 cudaError_t ActivateGated(int act, float* x, const float* gate, int64_t n, cudaStream_t s) {

@@ -65,17 +65,6 @@ cudaError_t Norm(bool layernorm, const float* x, int rows, int dim, const float*
 // matrices batch_stride floats apart, matrix b with bias[b * cols, ...] (a fused QKV projection).
 cudaError_t BiasActivate(float* y, int rows, int cols, const float* bias, int activation, cudaStream_t stream,
                          int batch = 1, int64_t batch_stride = 0);
-// A row norm folded into the projection that reads its output (the pre-norm layer's attn_norm into
-// q, k, v; ffn_norm into the FFN's up; the final norm into the LM head): each warp computes its rows'
-// mean and scale itself, in one fixed order, and normalises x as it reads it, so the norm costs no
-// launch and no pass over memory. `weight` null: no norm. LayerNorm (bias may be null) or RmsNorm,
-// as Norm (within float32 rounding of it, not its bits).
-struct RowNorm {
-  const float* weight = nullptr;
-  const float* bias = nullptr;
-  bool layernorm = true;
-  float eps = 1e-5f;
-};
 // The projections: y[r, o] = act(alpha * sum_k x[r, k] * w[o, k] + bias[o]) for r < rows, o < out,
 // then (with `residual`) plus y's old value; x [rows, in], w [out, in] row-major as the model stores
 // it, bias may be null, activation as BiasActivate's. Each output is one fixed chain of
@@ -84,25 +73,24 @@ struct RowNorm {
 // GEMM (cuBLAS picks its algorithm, and so a row's order of summation, by the problem's shape).
 // With batch > 1, `batch` products in one launch: product z reads the same x, w + z * w_stride and
 // bias + z * bias_stride, and writes y + z * y_stride (a fused QKV projection). (cpu::Linear.)
-// With `norm`, x is read through the row norm (RowNorm); y must not alias x.
 cudaError_t Linear(const float* x, int rows, int in, const float* w, int out, const float* bias, int activation,
                    bool residual, float alpha, float* y, cudaStream_t stream, int batch = 1, int64_t w_stride = 0,
-                   int64_t bias_stride = 0, int64_t y_stride = 0, const RowNorm& norm = RowNorm{});
+                   int64_t bias_stride = 0, int64_t y_stride = 0);
 // The same with w as bfloat16 bits (rounded to nearest even at load, cpu::ToBf16's rule), widened
 // exactly as read: the CPU backend's bf16 weights (--weights_dtype bf16), half the weight bytes, the
 // same float32 sums in the same order. Rows start on 8 bytes where `in` is a multiple of 4.
 cudaError_t Linear(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int activation,
                    bool residual, float alpha, float* y, cudaStream_t stream, int batch = 1, int64_t w_stride = 0,
-                   int64_t bias_stride = 0, int64_t y_stride = 0, const RowNorm& norm = RowNorm{});
+                   int64_t bias_stride = 0, int64_t y_stride = 0);
 // A self-attention's q, k and v in one launch, k and v written straight into the paged cache: the
 // three products of Linear (batch 3: w [3, width, in] and bias [3, width] side by side, bias may be
 // null), q [rows, width] into `q`, and row r's k and v into `kv` at kv_rows' position r, stored as
 // WriteKv stores them (the same bits): one launch where Linear then WriteKv take two.
 // kv.n_heads * kv.head_dim must be width and kv_rows.n must be rows (cudaErrorInvalidValue).
 cudaError_t QkvToCache(const float* x, int rows, int in, const float* w, int width, const float* bias, float* q,
-                       const KvPool& kv, const Rows& kv_rows, cudaStream_t stream, const RowNorm& norm = RowNorm{});
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t stream);
 cudaError_t QkvToCache(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
-                       const KvPool& kv, const Rows& kv_rows, cudaStream_t stream, const RowNorm& norm = RowNorm{});
+                       const KvPool& kv, const Rows& kv_rows, cudaStream_t stream);
 // x = act(x) * gate (cpu::ActivateGated).
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
