@@ -146,5 +146,40 @@ TEST(SchedulerTest, PreemptionFreesCrossBlocksToo) {
   EXPECT_EQ(s.chunks[0].new_blocks, 8);
 }
 
+TEST(SchedulerTest, CachedPrefixBlocksCountAgainstTheFreePoolAndNotTheBudget) {
+  // 20 tokens, 12 of them cached in 3 blocks of which 2 sit unreferenced in the cache: admitting it
+  // computes 8 tokens, allocates 2 blocks and takes the 2 cached ones out of the free count.
+  SchedSeq w = {1, 20, 12, 3};
+  w.cached_blocks = 2;
+  const SchedSeq ws[] = {w};
+  const Schedule fits = ComputeSchedule({}, ws, 4, Config(8));
+  ASSERT_EQ(fits.chunks.size(), 1u);
+  EXPECT_EQ(fits.chunks[0].num_tokens, 8);
+  EXPECT_EQ(fits.chunks[0].new_blocks, 2);
+  EXPECT_TRUE(ComputeSchedule({}, ws, 3, Config(8)).chunks.empty());  // 2 new + 2 cached > 3
+}
+
+TEST(SchedulerTest, PreemptingFreesOnlyBlocksNobodyElseHolds) {
+  // The newest running sequence holds 4 blocks, 3 of them shared with the oldest: preempting it
+  // frees 1, just what the oldest's next token needs.
+  SchedSeq old_seq = Decoding(1, 17);  // 16 cached in 4 full blocks: its next token needs a fifth
+  SchedSeq young = Decoding(2, 14);
+  young.shared_blocks = 3;
+  old_seq.shared_blocks = 3;
+  const SchedSeq run[] = {old_seq, young};
+  const Schedule s = ComputeSchedule(run, {}, 0, Config());
+  ASSERT_EQ(s.preempted.size(), 1u);
+  EXPECT_EQ(s.preempted[0], 2);
+  ASSERT_EQ(s.chunks.size(), 1u);  // the one freed block is enough
+  EXPECT_EQ(s.chunks[0].id, 1);
+
+  young.shared_blocks = 4;  // everything it holds is shared: preempting it frees nothing
+  old_seq.shared_blocks = 4;
+  const SchedSeq run2[] = {old_seq, young};
+  const Schedule t = ComputeSchedule(run2, {}, 0, Config());
+  EXPECT_EQ(t.preempted.size(), 2u);
+  EXPECT_TRUE(t.chunks.empty());
+}
+
 }  // namespace
 }  // namespace relgen

@@ -139,6 +139,10 @@ def main():
                       {"scheme": "skew", "max_relative_position": 256, "scale_with_qk": True}, seed=3000,
                       overrides={"d_model": 256, "n_layers": 4, "n_heads": 4, "head_dim": 64, "ffn_dim": 1024,
                                  "max_seq_len": 2048})
+    # A small model with a long context for the prefix-cache workload (prefixes up to 700 tokens).
+    make_engine_model(os.path.join(args.out, "engine"), "long",
+                      {"scheme": "skew", "max_relative_position": 64, "scale_with_qk": True}, seed=3001,
+                      overrides={"max_seq_len": 1024})
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump({"lengths": LENGTHS, "cases": names, "engine_models": list(ENGINE_MODELS)}, f, indent=2)
     print(f"wrote {len(names)} cases to {args.out} in {time.time() - t0:.1f}s")

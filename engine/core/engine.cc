@@ -33,6 +33,7 @@ void RequestHandle::Deliver(Output&& delta) {
     p.token_ids.insert(p.token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
     p.text += delta.text;
     for (SampleResult& r : delta.logprobs) p.logprobs.push_back(std::move(r));
+    for (SampleResult& r : delta.prompt_logprobs) p.prompt_logprobs.push_back(std::move(r));
     if (delta.finished) {
       p.finished = true;
       p.finish_reason = delta.finish_reason;
@@ -111,6 +112,28 @@ struct Engine::Seq {
   bool done = false;
   absl::Time submitted, scheduled = absl::InfinitePast(), first_token = absl::InfinitePast();
   absl::Time last_token = absl::InfinitePast();
+
+  bool follower = false;  // a later sample or continuation of a group (its prompt is the leader's)
+  // Scoring: tokens[score_from..] are the continuation, scored and never sampled; -1 when generating.
+  int score_from = -1;
+  std::vector<SampleResult> scores;        // one per continuation token computed so far
+  std::vector<SampleResult> prompt_lps;    // prompt tokens 1.. computed so far (prompt_logprobs)
+  bool prompt_lps_delivered = false;
+  // Prefix chain of the registered (or hit) blocks: chain[b] is the cursor past blocks[b].
+  std::vector<PrefixCursor> chain;
+  std::vector<int32_t> hits;  // waiting: prefix-cache hits planned for admission
+  // The group's later members, started when this one has computed fork_tokens tokens (whole
+  // blocks): each takes references to those blocks (and the input's K/V of an encoder-decoder model).
+  std::vector<std::unique_ptr<Seq>> followers;
+  int fork_tokens = 0;
+
+  // First token whose logits are needed (its row predicts the next token): nothing before it may come
+  // from the prefix cache, which holds K/V and no logits.
+  int LogitsFrom() const {
+    if (score_from >= 0) return score_from - 1;
+    if (req.prompt_logprobs >= 0 && !prompt_lps_delivered) return 0;
+    return static_cast<int>(tokens.size()) - 1;
+  }
 };
 
 Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend,
@@ -119,7 +142,7 @@ Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> back
       backend_(std::move(backend)),
       tokenizer_(std::move(tokenizer)),
       config_(config),
-      allocator_(backend_->kv_cache().num_blocks) {
+      allocator_(backend_->kv_cache().num_blocks, backend_->kv_cache().block_size) {
   config_.scheduler.block_size = backend_->kv_cache().block_size;
   stats_.kv_blocks_total = allocator_.num_blocks();
   stats_.device = backend_->device();
@@ -158,8 +181,18 @@ void Engine::Shutdown() {
 }
 
 absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
+  if (r.n != 1 || !r.continuations.empty()) {
+    return absl::InvalidArgumentError("Submit takes one sample and no continuations; use SubmitGroup");
+  }
+  auto group = SubmitGroup(std::move(r));
+  if (!group.ok()) return group.status();
+  return std::move(group->front());
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(Request r) {
   const ModelConfig& c = model_->config();
   const int n = static_cast<int>(r.prompt.size());
+  const bool scoring = !r.continuations.empty();
   if (n == 0) return absl::InvalidArgumentError("prompt is empty");
   for (int32_t t : r.prompt) {
     if (t < 0 || t >= c.vocab_size) {
@@ -171,55 +204,131 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
       return absl::InvalidArgumentError(absl::StrCat("stop token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
     }
   }
-  if (c.encoder_decoder) {
-    // Input and output have a context each; the last output token is never fed back.
-    if (n > c.max_seq_len) {
+  if (r.n < 1 || r.n > kMaxSamples) {
+    return absl::InvalidArgumentError(absl::StrCat("n ", r.n, "; allowed 1..", kMaxSamples));
+  }
+  if (r.prompt_logprobs < -1 || r.prompt_logprobs > kMaxPromptLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_logprobs ", r.prompt_logprobs, "; allowed 0..", kMaxPromptLogprobs, " (-1: none)"));
+  }
+  if (r.prompt_logprobs >= 0 && c.encoder_decoder) {
+    return absl::InvalidArgumentError(
+        "prompt_logprobs: not for an encoder-decoder model (the prompt is the encoder's input, which the model does "
+        "not predict); score the output with continuations instead");
+  }
+  const int bs = config_.scheduler.block_size;
+  if (scoring) {
+    if (r.n != 1 || r.prompt_logprobs >= 0) {
+      return absl::InvalidArgumentError("scoring takes neither n nor prompt_logprobs");
+    }
+    if (static_cast<int>(r.continuations.size()) > kMaxContinuations) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(r.continuations.size(), " continuations; allowed 1..", kMaxContinuations));
+    }
+    if (c.encoder_decoder && n > c.max_seq_len) {
       return absl::InvalidArgumentError(
           absl::StrCat("the input is ", n, " tokens; allowed 1..", c.max_seq_len, " (max_seq_len)"));
     }
-    if (r.stop.max_new_tokens < 1 || r.stop.max_new_tokens > c.max_seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, "; allowed 1..",
-                                                     c.max_seq_len, " (max_seq_len)"));
+    for (size_t i = 0; i < r.continuations.size(); ++i) {
+      const std::vector<int32_t>& cont = r.continuations[i];
+      if (cont.empty()) return absl::InvalidArgumentError(absl::StrCat("continuation ", i, " is empty"));
+      for (int32_t t : cont) {
+        if (t < 0 || t >= c.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("continuation ", i, ": token id ", t,
+                                                         " out of range; allowed 0..", c.vocab_size - 1));
+        }
+      }
+      // A decoder sees context + continuation; an encoder-decoder's decoder the start token + continuation.
+      const int len = static_cast<int>(cont.size()) + (c.encoder_decoder ? 1 : n);
+      if (len > c.max_seq_len) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "continuation ", i, " is ", cont.size(), " tokens", c.encoder_decoder ? "" : absl::StrCat(" after a context of ", n),
+            "; allowed at most ", c.max_seq_len - (c.encoder_decoder ? 1 : n), " (max_seq_len ", c.max_seq_len, ")"));
+      }
+      const int need = BlocksForTokens(len, bs) + (c.encoder_decoder ? BlocksForTokens(n, bs) : 0);
+      if (need > allocator_.num_blocks()) {
+        return absl::InvalidArgumentError(absl::StrCat("continuation ", i, ": ", len,
+                                                       " tokens can never fit the KV cache of ",
+                                                       int64_t{allocator_.num_blocks()} * bs, " tokens"));
+      }
     }
-  } else if (r.stop.max_new_tokens < 1 || n + r.stop.max_new_tokens > c.max_seq_len) {
-    return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, " with a prompt of ", n,
-                                                   " tokens; allowed 1..", std::max(0, c.max_seq_len - n),
-                                                   " (max_seq_len ", c.max_seq_len, ")"));
+  } else {
+    if (c.encoder_decoder) {
+      // Input and output have a context each; the last output token is never fed back.
+      if (n > c.max_seq_len) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the input is ", n, " tokens; allowed 1..", c.max_seq_len, " (max_seq_len)"));
+      }
+      if (r.stop.max_new_tokens < 1 || r.stop.max_new_tokens > c.max_seq_len) {
+        return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, "; allowed 1..",
+                                                       c.max_seq_len, " (max_seq_len)"));
+      }
+    } else if (r.stop.max_new_tokens < 1 || n + r.stop.max_new_tokens > c.max_seq_len) {
+      return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, " with a prompt of ", n,
+                                                     " tokens; allowed 1..", std::max(0, c.max_seq_len - n),
+                                                     " (max_seq_len ", c.max_seq_len, ")"));
+    }
+    const int need = c.encoder_decoder ? BlocksForTokens(n, bs) + BlocksForTokens(r.stop.max_new_tokens, bs)
+                                       : BlocksForTokens(n + r.stop.max_new_tokens, bs);
+    if (need > allocator_.num_blocks()) {
+      return absl::InvalidArgumentError(absl::StrCat(c.encoder_decoder ? "input + max_new_tokens" : "prompt + max_new_tokens",
+                                                     " = ", n + r.stop.max_new_tokens,
+                                                     " tokens can never fit the KV cache of ",
+                                                     int64_t{allocator_.num_blocks()} * bs, " tokens"));
+    }
   }
   const SamplingParams& p = r.sampling;
   if (!(p.temperature >= 0.0f) || !(p.top_p > 0.0f && p.top_p <= 1.0f) || p.top_k < 0 ||
       !(p.repetition_penalty > 0.0f)) {
     return absl::InvalidArgumentError("sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0)");
   }
-  const int bs = config_.scheduler.block_size;
-  const int need = c.encoder_decoder ? BlocksForTokens(n, bs) + BlocksForTokens(r.stop.max_new_tokens, bs)
-                                     : BlocksForTokens(n + r.stop.max_new_tokens, bs);
-  if (need > allocator_.num_blocks()) {
-    return absl::InvalidArgumentError(absl::StrCat(c.encoder_decoder ? "input + max_new_tokens" : "prompt + max_new_tokens",
-                                                   " = ", n + r.stop.max_new_tokens,
-                                                   " tokens can never fit the KV cache of ",
-                                                   int64_t{allocator_.num_blocks()} * bs, " tokens"));
+
+  // The group: one sequence per sample or continuation; the first leads, the rest follow it.
+  const int members = scoring ? static_cast<int>(r.continuations.size()) : r.n;
+  std::vector<std::vector<int32_t>> continuations = std::move(r.continuations);
+  r.continuations.clear();
+  const absl::Time now = absl::Now();
+  std::vector<std::unique_ptr<Seq>> group;
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < members; ++i) {
+    auto s = std::make_unique<Seq>();
+    s->handle = std::make_shared<RequestHandle>();
+    s->handle->id_ = r.id;
+    s->req = r;
+    s->follower = i > 0;
+    if (s->follower) s->req.prompt_logprobs = -1;
+    s->tokens = c.encoder_decoder ? std::vector<int32_t>{c.decoder_start_token_id} : r.prompt;
+    if (scoring) {
+      s->score_from = static_cast<int>(s->tokens.size());
+      s->tokens.insert(s->tokens.end(), continuations[i].begin(), continuations[i].end());
+    } else {
+      s->req.sampling.seed = r.sampling.seed + static_cast<uint64_t>(i);
+    }
+    s->detok = tokenizer_->NewStream();
+    s->submitted = now;
+    handles.push_back(s->handle);
+    group.push_back(std::move(s));
   }
-  auto s = std::make_unique<Seq>();
-  s->handle = std::make_shared<RequestHandle>();
-  s->handle->id_ = r.id;
-  s->tokens = c.encoder_decoder ? std::vector<int32_t>{c.decoder_start_token_id} : r.prompt;
-  s->req = std::move(r);
-  s->detok = tokenizer_->NewStream();
-  s->submitted = absl::Now();
-  std::shared_ptr<RequestHandle> handle = s->handle;
+  Seq& leader = *group.front();
+  // Followers share the leader's blocks before the first token whose logits they need.
+  const int follower_logits_from = scoring ? leader.score_from - 1 : static_cast<int>(leader.tokens.size()) - 1;
+  leader.fork_tokens = follower_logits_from / bs * bs;
+  for (int i = 1; i < members; ++i) leader.followers.push_back(std::move(group[i]));
+  std::unique_ptr<Seq> s = std::move(group.front());
+
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_) return absl::UnavailableError("the engine is shut down");
   if (!failure_.ok()) return failure_;
-  if (queued_ >= config_.max_waiting) {
+  if (queued_ + members > config_.max_waiting) {
     return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", config_.max_waiting, " requests waiting)"));
   }
   s->id = next_seq_id_++;
-  ++queued_;
+  for (auto& f : s->followers) f->id = next_seq_id_++;
+  queued_ += members;
   stats_.num_waiting = queued_;
   inbox_.push_back(std::move(s));
   cv_.notify_all();
-  return handle;
+  return handles;
 }
 
 absl::Status Engine::Failure() const {
@@ -275,17 +384,25 @@ void Engine::Loop() {
     cv_.notify_all();
   }
   // Shut down: nothing outstanding survives.
+  FinishAll(FinishReason::kCancelled, absl::UnavailableError("the engine shut down"));
+}
+
+void Engine::FinishAll(FinishReason reason, const absl::Status& status) {
   std::deque<std::unique_ptr<Seq>> inbox;
   {
     std::unique_lock<std::mutex> lock(mu_);
     inbox.swap(inbox_);
   }
   for (auto* q : {&inbox, &waiting_}) {
-    for (auto& s : *q) Finish(*s, FinishReason::kCancelled, absl::UnavailableError("the engine shut down"));
+    for (auto& s : *q) Finish(*s, reason, status);
     q->clear();
   }
-  for (auto& s : running_) Finish(*s, FinishReason::kCancelled, absl::UnavailableError("the engine shut down"));
+  for (auto& s : running_) Finish(*s, reason, status);
   running_.clear();
+  // Finishing a leader orphans its followers; they have none of their own.
+  std::vector<std::unique_ptr<Seq>> orphans;
+  orphans.swap(orphans_);
+  for (auto& s : orphans) Finish(*s, reason, status);
 }
 
 void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
@@ -293,6 +410,9 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   s.done = true;
   allocator_.Free(&s.blocks);
   allocator_.Free(&s.cross_blocks);
+  s.chain.clear();
+  for (auto& f : s.followers) orphans_.push_back(std::move(f));
+  s.followers.clear();
   {
     // Books first, so nothing a client has received is missing from them.
     // The running and waiting gauges too: a client that got its final output must not still be
@@ -304,6 +424,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
     std::unique_lock<std::mutex> lock(mu_);
     ++stats_.finished;
     stats_.kv_blocks_used = allocator_.num_used();
+    stats_.kv_blocks_cached = allocator_.num_cached();
     stats_.num_running = running;
     stats_.num_waiting = waiting + static_cast<int>(inbox_.size());
   }
@@ -313,6 +434,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   o.status = std::move(status);
   o.prompt_tokens = static_cast<int>(s.req.prompt.size());
   o.generated_tokens = s.generated;
+  if (s.score_from >= 0 && reason == FinishReason::kLength) o.logprobs = std::move(s.scores);
   const absl::Time now = absl::Now();
   o.timing.queue = (s.scheduled == absl::InfinitePast() ? now : s.scheduled) - s.submitted;
   o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;
@@ -321,7 +443,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
     RequestSummary sum;
     sum.reason = reason;
     sum.code = o.status.code();
-    sum.prompt_tokens = o.prompt_tokens;
+    sum.prompt_tokens = s.follower ? 0 : o.prompt_tokens;  // a group's prompt counts once
     sum.generated_tokens = o.generated_tokens;
     sum.queue = o.timing.queue;
     sum.time_to_first_token = o.timing.time_to_first_token;
@@ -347,6 +469,11 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
   Output o;
   o.token_ids.push_back(r.token);
   if (s.req.sampling.logprobs >= 0) o.logprobs.push_back(r);
+  if (s.req.prompt_logprobs >= 0 && !s.prompt_lps_delivered) {
+    o.prompt_logprobs = std::move(s.prompt_lps);
+    s.prompt_lps.clear();
+    s.prompt_lps_delivered = true;
+  }
   s.held += s.detok->Push(r.token);
 
   FinishReason reason = FinishReason::kNone;
@@ -388,8 +515,67 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
   if (reason != FinishReason::kNone) Finish(s, reason);
 }
 
+void Engine::LookupPrefix(Seq& s) {
+  s.hits.clear();
+  if (!s.blocks.empty()) return;  // a follower holds its shared blocks and their chain
+  s.chain.clear();
+  if (!config_.prefix_caching) return;
+  const int bs = config_.scheduler.block_size;
+  const absl::Span<const int32_t> root =
+      model_->config().encoder_decoder ? absl::MakeConstSpan(s.req.prompt) : absl::Span<const int32_t>();
+  PrefixCursor at = BlockAllocator::Root(root);
+  const absl::Span<const int32_t> tokens(s.tokens);
+  for (int b = 0; b < s.LogitsFrom() / bs; ++b) {
+    const absl::Span<const int32_t> block = tokens.subspan(b * bs, bs);
+    const int32_t hit = allocator_.Lookup(at, block, root);
+    if (hit < 0) break;
+    at = allocator_.Advance(at, hit, block);
+    s.hits.push_back(hit);
+    s.chain.push_back(at);
+  }
+}
+
+void Engine::RegisterBlocks(Seq& s) {
+  if (!config_.prefix_caching) return;
+  const int bs = config_.scheduler.block_size;
+  const absl::Span<const int32_t> root =
+      model_->config().encoder_decoder ? absl::MakeConstSpan(s.req.prompt) : absl::Span<const int32_t>();
+  const absl::Span<const int32_t> tokens(s.tokens);
+  for (int b = static_cast<int>(s.chain.size()); b < s.num_computed / bs; ++b) {
+    const PrefixCursor at = b == 0 ? BlockAllocator::Root(root) : s.chain.back();
+    s.chain.push_back(allocator_.Register(at, s.blocks[b], tokens.subspan(b * bs, bs), root));
+  }
+}
+
+int Engine::SharedBlocks(const Seq& s) const {
+  int shared = 0;
+  for (int32_t b : s.blocks) shared += allocator_.ref_count(b) > 1 ? 1 : 0;
+  for (int32_t b : s.cross_blocks) shared += allocator_.ref_count(b) > 1 ? 1 : 0;
+  return shared;
+}
+
+void Engine::TakeLogits(Seq& s, int first, int count, const float* rows) {
+  const int vocab = model_->config().vocab_size;
+  const int prompt = static_cast<int>(s.req.prompt.size());
+  const bool prompt_lps = s.req.prompt_logprobs >= 0 && !s.prompt_lps_delivered;
+  for (int k = 0; k < count; ++k) {
+    const int next = first + k + 1;  // the token this row predicts
+    const absl::Span<const float> row(rows + static_cast<size_t>(k) * vocab, vocab);
+    if (prompt_lps && next < prompt && next == static_cast<int>(s.prompt_lps.size()) + 1) {
+      s.prompt_lps.push_back(TokenLogprobs(row, s.tokens[next], s.req.prompt_logprobs));
+    }
+    if (s.score_from >= 0 && next >= s.score_from && next < static_cast<int>(s.tokens.size()) &&
+        next - s.score_from == static_cast<int>(s.scores.size())) {
+      s.scores.push_back(TokenLogprobs(row, s.tokens[next], std::max(s.req.sampling.logprobs, 0)));
+    }
+  }
+}
+
 void Engine::Step() {
   const absl::Time now = absl::Now();
+  // Followers orphaned by a finished leader queue first; they recompute what they would have shared.
+  for (auto it = orphans_.rbegin(); it != orphans_.rend(); ++it) waiting_.push_front(std::move(*it));
+  orphans_.clear();
   // Cancelled and expired requests leave first; their blocks are free for this step.
   // A passed deadline wins over a cancel: the client's own deadline also cancels its call, and how
   // that cancel is told apart from the client's choice depends on timing (service.cc).
@@ -406,26 +592,49 @@ void Engine::Step() {
                  running_.end());
   waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), [&](auto& s) { return reap(*s); }),
                  waiting_.end());
+  // Reaped leaders orphaned their followers just now: they wait at the front (reaped next step if
+  // cancelled too).
+  for (auto it = orphans_.rbegin(); it != orphans_.rend(); ++it) waiting_.push_front(std::move(*it));
+  orphans_.clear();
 
   const bool enc_dec = model_->config().encoder_decoder;
+  const int bs = config_.scheduler.block_size;
   auto sched = [&](const Seq& s) {
-    return SchedSeq{s.id, static_cast<int>(s.tokens.size()), s.num_computed, static_cast<int>(s.blocks.size()),
-                    enc_dec ? static_cast<int>(s.req.prompt.size()) : 0, static_cast<int>(s.cross_blocks.size())};
+    SchedSeq q{s.id, static_cast<int>(s.tokens.size()), s.num_computed, static_cast<int>(s.blocks.size()),
+               enc_dec ? static_cast<int>(s.req.prompt.size()) : 0, static_cast<int>(s.cross_blocks.size())};
+    q.shared_blocks = SharedBlocks(s);
+    return q;
   };
   std::vector<SchedSeq> run, wait;
   for (const auto& s : running_) run.push_back(sched(*s));
-  for (const auto& s : waiting_) wait.push_back(sched(*s));
+  // Only the queue's head can be admitted this step (at most max_num_seqs - running of it): only
+  // those look their prompt up in the prefix cache.
+  const size_t window = std::max<int>(0, config_.scheduler.max_num_seqs - static_cast<int>(running_.size()));
+  for (size_t i = 0; i < waiting_.size() && i < window; ++i) {
+    Seq& s = *waiting_[i];
+    LookupPrefix(s);
+    SchedSeq q = sched(s);
+    if (s.blocks.empty()) {
+      q.num_computed = static_cast<int>(s.hits.size()) * bs;
+      q.num_blocks = static_cast<int>(s.hits.size());
+      for (int32_t b : s.hits) q.cached_blocks += allocator_.ref_count(b) == 0 ? 1 : 0;
+    }
+    wait.push_back(q);
+  }
   const Schedule plan = ComputeSchedule(run, wait, allocator_.num_free(), config_.scheduler);
 
   // Preempted sequences (newest first) go back to the front of the queue, oldest first, and will
-  // recompute their prompt and output so far.
+  // recompute their prompt and output so far (from the prefix cache where it still holds them).
   for (int64_t id : plan.preempted) {
     std::unique_ptr<Seq> s = std::move(running_.back());
     running_.pop_back();
     if (s->id != id) std::abort();  // the scheduler preempts from the newest end
     allocator_.Free(&s->blocks);
     allocator_.Free(&s->cross_blocks);  // the input is encoded again on readmission
+    s->chain.clear();
     s->num_computed = 0;
+    s->scores.clear();
+    if (!s->prompt_lps_delivered) s->prompt_lps.clear();
     waiting_.push_front(std::move(s));
   }
   std::vector<Seq*> batch;
@@ -442,11 +651,32 @@ void Engine::Step() {
         if (s->id == c.id) batch.push_back(s.get());
       }
     }
-    if (!allocator_.Allocate(c.new_blocks, &batch.back()->blocks)) std::abort();  // planned
-    if (!allocator_.Allocate(c.encoder_blocks, &batch.back()->cross_blocks)) std::abort();
+  }
+  // Admitted sequences take their prefix-cache hits before anything is allocated, so no allocation
+  // evicts a block a later admission counted on.
+  int64_t queried = 0, hit_tokens = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Seq& s = *batch[i];
+    if (!plan.chunks[i].admitted) continue;
+    if (config_.prefix_caching && s.blocks.empty()) {
+      const int hit = static_cast<int>(s.hits.size()) * bs;
+      queried += static_cast<int64_t>(s.tokens.size());
+      hit_tokens += hit;
+      if (config_.observer) config_.observer->OnPrefixCache(static_cast<int>(s.tokens.size()), hit);
+      allocator_.Share(s.hits, &s.blocks);
+      s.num_computed = hit;
+    }
+    s.hits.clear();
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ScheduledChunk& c = plan.chunks[i];
+    if (!allocator_.Allocate(c.new_blocks, &batch[i]->blocks)) std::abort();  // planned
+    if (!allocator_.Allocate(c.encoder_blocks, &batch[i]->cross_blocks)) std::abort();
   }
 
   std::vector<SequenceStep> steps;
+  std::vector<int> first_row;  // of each step's logits
+  int rows = 0;
   int step_tokens = 0, prefill_tokens = 0, encoder_tokens = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Seq& s = *batch[i];
@@ -455,6 +685,8 @@ void Engine::Step() {
     st.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, n);
     st.start_pos = s.num_computed;
     st.block_table = s.blocks;
+    // Rows before the chunk's last are needed for prompt log-probabilities and scores.
+    st.all_logits = s.LogitsFrom() < s.num_computed + n - 1;
     if (enc_dec) {
       st.encoder_len = static_cast<int>(s.req.prompt.size());
       st.cross_block_table = s.cross_blocks;
@@ -464,10 +696,13 @@ void Engine::Step() {
       }
     }
     steps.push_back(st);
+    first_row.push_back(rows);
+    rows += st.all_logits ? n : 1;
     step_tokens += n;
     if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) prefill_tokens += n;
   }
   absl::Status broken;
+  std::vector<std::unique_ptr<Seq>> started;  // followers starting this step
   if (!steps.empty()) {
     absl::Status st = backend_->Forward(steps, &logits_);
     if (!st.ok()) broken = backend_->Broken();
@@ -488,27 +723,47 @@ void Engine::Step() {
         Finish(s, FinishReason::kError, st);
         continue;
       }
-      s.num_computed += plan.chunks[i].num_tokens;
+      const int n = plan.chunks[i].num_tokens;
+      const float* row = logits_.data() + static_cast<size_t>(first_row[i]) * vocab;
+      if (steps[i].all_logits) {
+        TakeLogits(s, s.num_computed, n, row);
+        row += static_cast<size_t>(n - 1) * vocab;
+      } else {
+        TakeLogits(s, s.num_computed + n - 1, 1, row);
+      }
+      s.num_computed += n;
+      RegisterBlocks(s);
+      if (!s.followers.empty() && s.num_computed >= s.fork_tokens) {
+        // The group's other members start now, holding the leader's blocks before fork_tokens.
+        const int shared = s.fork_tokens / bs;
+        for (auto& f : s.followers) {
+          allocator_.Share(absl::MakeConstSpan(s.blocks).first(shared), &f->blocks);
+          allocator_.Share(s.cross_blocks, &f->cross_blocks);
+          f->num_computed = s.fork_tokens;
+          f->chain.assign(s.chain.begin(), s.chain.begin() + std::min<size_t>(shared, s.chain.size()));
+          started.push_back(std::move(f));
+        }
+        s.followers.clear();
+      }
       if (s.num_computed < static_cast<int>(s.tokens.size())) continue;  // prompt not done yet
-      const SampleResult r = Sample(absl::MakeConstSpan(logits_).subspan(i * vocab, vocab), s.req.sampling,
-                                    s.tokens, s.generated, &sample_scratch_);
+      if (s.score_from >= 0) {
+        Finish(s, FinishReason::kLength);
+        continue;
+      }
+      const SampleResult r = Sample(absl::MakeConstSpan(row, vocab), s.req.sampling, s.tokens, s.generated,
+                                    &sample_scratch_);
       EmitToken(s, r);
     }
   }
+  for (auto it = started.rbegin(); it != started.rend(); ++it) waiting_.push_front(std::move(*it));
   if (!broken.ok()) {
     // Nothing can run any more: everything outstanding fails now, and Submit refuses from here on.
-    std::deque<std::unique_ptr<Seq>> inbox;
     absl::Status failure;
     {
       std::unique_lock<std::mutex> lock(mu_);
       failure = failure_;
-      inbox.swap(inbox_);
     }
-    for (auto* q : {&inbox, &waiting_}) {
-      for (auto& s : *q) Finish(*s, FinishReason::kError, failure);
-      q->clear();
-    }
-    for (auto& s : running_) Finish(*s, FinishReason::kError, failure);
+    FinishAll(FinishReason::kError, failure);
   }
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done; }),
                  running_.end());
@@ -518,11 +773,34 @@ void Engine::Step() {
     if (encoder_tokens > 0) config_.observer->OnEncoded(encoder_tokens);
     if (!plan.preempted.empty()) config_.observer->OnPreemptions(static_cast<int>(plan.preempted.size()));
   }
+  if (config_.check_invariants) {
+    allocator_.CheckConsistency();
+    // Every reference is held by a sequence the engine knows.
+    int64_t refs = 0, held = 0;
+    for (int32_t b = 0; b < allocator_.num_blocks(); ++b) refs += allocator_.ref_count(b);
+    auto count = [&](const Seq& s) { held += static_cast<int64_t>(s.blocks.size() + s.cross_blocks.size()); };
+    for (const auto& s : running_) count(*s);
+    for (const auto& s : waiting_) count(*s);
+    for (const auto& s : orphans_) count(*s);
+    if (refs != held) {
+      std::fprintf(stderr, "relgen: %lld KV block references, %lld held by sequences\n",
+                   static_cast<long long>(refs), static_cast<long long>(held));
+      std::abort();
+    }
+  }
+  int parked = static_cast<int>(orphans_.size());
+  for (const auto& s : running_) parked += static_cast<int>(s->followers.size());
+  for (const auto& s : waiting_) parked += static_cast<int>(s->followers.size());
   std::unique_lock<std::mutex> lock(mu_);
-  queued_ = static_cast<int>(inbox_.size() + waiting_.size());
+  for (const auto& s : inbox_) parked += static_cast<int>(s->followers.size());
+  queued_ = static_cast<int>(inbox_.size() + waiting_.size()) + parked;
   stats_.num_running = static_cast<int>(running_.size());
   stats_.num_waiting = queued_;
   stats_.kv_blocks_used = allocator_.num_used();
+  stats_.kv_blocks_cached = allocator_.num_cached();
+  stats_.prefix_cache_queries += queried;
+  stats_.prefix_cache_hits += hit_tokens;
+  stats_.kv_blocks_evicted = allocator_.num_evicted();
   if (!steps.empty()) {
     ++stats_.steps;
     stats_.last_step_seqs = static_cast<int>(steps.size());

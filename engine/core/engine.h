@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "engine/backends/backend.h"
+#include "engine/core/kv_cache.h"
 #include "engine/model/model.h"
 #include "engine/core/sampler.h"
 #include "engine/core/scheduler.h"
@@ -36,12 +37,33 @@ struct StopCriteria {
   bool ignore_eos = false;
 };
 
+inline constexpr int kMaxSamples = 16;
+inline constexpr int kMaxContinuations = 64;
+inline constexpr int kMaxPromptLogprobs = 20;
+
 struct Request {
   std::string id;
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   StopCriteria stop;
   absl::Time deadline = absl::InfiniteFuture();
+  // Samples of the prompt (1..kMaxSamples), one handle each. Sample i draws with seed + i (mod
+  // 2^64), so it equals a request of its own with that seed; every sample after the first starts
+  // once the first has computed the prompt, sharing its full KV blocks.
+  int n = 1;
+  // Log-probabilities of the prompt's tokens from the second on (the first has no context): -1
+  // none; k (0..kMaxPromptLogprobs) with the k most likely alternatives. Sample 0 delivers them,
+  // before its first token. Decoder models only. Such a request computes its whole prompt (no
+  // prefix-cache hit: a cached block has no logits).
+  int prompt_logprobs = -1;
+  // Scoring instead of generating (1..kMaxContinuations of them, each non-empty): one handle per
+  // continuation, whose Output.logprobs holds each continuation token's log-probability after the
+  // prompt and the continuation's tokens before it (with sampling.logprobs alternatives);
+  // nothing is sampled; finish_reason kLength, generated_tokens 0. The continuations share the
+  // prompt's full KV blocks. An encoder-decoder model scores each as its decoder's output for the
+  // prompt as input (after decoder_start_token_id). `n`, `stop` and sampling other than logprobs
+  // do not apply.
+  std::vector<std::vector<int32_t>> continuations;
 };
 
 struct RequestTiming {
@@ -55,7 +77,8 @@ struct RequestTiming {
 struct Output {
   std::vector<int32_t> token_ids;
   std::string text;
-  std::vector<SampleResult> logprobs;  // one per token when the request asked for logprobs
+  std::vector<SampleResult> logprobs;  // one per token when the request asked for logprobs (Score: always)
+  std::vector<SampleResult> prompt_logprobs;  // prompt tokens 1.. when asked (token = the prompt's)
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   absl::Status status;  // why, for kError
@@ -119,11 +142,18 @@ class EngineObserver {
   // first token).
   virtual void OnToken(absl::Duration since_previous) {}
   virtual void OnFinished(const RequestSummary& summary) {}
+  // A sequence admitted with prefix caching on: its prompt's tokens (prompt plus output so far after
+  // a preemption) and how many of them the cache held.
+  virtual void OnPrefixCache(int queried_tokens, int hit_tokens) {}
 };
 
 struct EngineConfig {
   SchedulerConfig scheduler;
-  int max_waiting = 1024;  // Submit fails with RESOURCE_EXHAUSTED beyond this
+  int max_waiting = 1024;  // Submit fails with RESOURCE_EXHAUSTED beyond this (samples count each)
+  // Reuse the KV blocks of prompt prefixes computed before (bitwise the same outputs either way).
+  bool prefix_caching = true;
+  // Tests: audit the KV block books after every step (aborts on a leak or a double reference).
+  bool check_invariants = false;
   // false: no engine thread; the owner drives the loop with RunOnce() (deterministic tests, tools).
   bool background_thread = true;
   std::shared_ptr<EngineObserver> observer;  // optional
@@ -133,7 +163,11 @@ struct EngineStats {
   int num_running = 0;
   int num_waiting = 0;
   int kv_blocks_total = 0;
-  int kv_blocks_used = 0;
+  int kv_blocks_used = 0;    // referenced by a sequence
+  int kv_blocks_cached = 0;  // unreferenced, holding a cached prefix (reclaimed on demand)
+  int64_t prefix_cache_queries = 0;  // tokens looked up in the prefix cache
+  int64_t prefix_cache_hits = 0;     // of those, tokens found
+  int64_t kv_blocks_evicted = 0;     // cached blocks reclaimed for new ones
   int64_t steps = 0;
   int last_step_seqs = 0;
   int last_step_tokens = 0;
@@ -156,7 +190,10 @@ class Engine {
 
   // Validates and queues a request. INVALID_ARGUMENT names what is wrong; RESOURCE_EXHAUSTED when
   // the queue is full; UNAVAILABLE after Shutdown.
-  absl::StatusOr<std::shared_ptr<RequestHandle>> Submit(Request request);
+  absl::StatusOr<std::shared_ptr<RequestHandle>> Submit(Request request);  // one sample, no scoring
+  // Any request: one handle per sample, or per continuation when scoring. Each handle is
+  // independent (Cancel one, the others go on).
+  absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> SubmitGroup(Request request);
   EngineStats Stats() const;
   // One iteration of the engine loop on the caller's thread: takes submitted requests, reaps
   // cancelled and expired ones, runs one batched step. Only without the background thread.
@@ -187,6 +224,16 @@ class Engine {
   void Step();
   void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus());
   void EmitToken(Seq& s, const SampleResult& r);
+  // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
+  // blocks a sequence has computed.
+  void LookupPrefix(Seq& s);
+  void RegisterBlocks(Seq& s);
+  // Blocks of `s` (decoder and input K/V) that another sequence also references.
+  int SharedBlocks(const Seq& s) const;
+  // Rows of the step's logits for one sequence: [row, row + count) hold tokens first.. .
+  void TakeLogits(Seq& s, int first, int count, const float* rows);
+  // Finishes every sequence the engine holds (shutdown, a broken device).
+  void FinishAll(FinishReason reason, const absl::Status& status);
 
   std::shared_ptr<const Model> model_;
   std::unique_ptr<Backend> backend_;
@@ -207,6 +254,8 @@ class Engine {
   BlockAllocator allocator_;
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::vector<std::unique_ptr<Seq>> running_;  // admission order
+  // Followers whose leader finished before starting them; they join the queue's front next step.
+  std::vector<std::unique_ptr<Seq>> orphans_;
   int64_t next_seq_id_ = 0;
   std::vector<float> logits_, sample_scratch_;
   std::thread thread_;

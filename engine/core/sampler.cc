@@ -21,6 +21,30 @@ double SampleUniform(uint64_t seed, int index) {
   return static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0);  // 53 bits
 }
 
+SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int top_n, double log_z) {
+  const int v = static_cast<int>(logits.size());
+  if (std::isnan(log_z)) {
+    float mx = -INFINITY;
+    for (float l : logits) mx = std::max(mx, l);
+    double z = 0;
+    for (float l : logits) z += std::exp(static_cast<double>(l) - mx);
+    log_z = mx + std::log(z);
+  }
+  SampleResult out;
+  out.token = token;
+  out.logprob = static_cast<float>(logits[token] - log_z);
+  const int n = std::min(top_n, v);
+  if (n > 0) {
+    std::vector<int32_t> order(v);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (int i = 0; i < n; ++i) out.top.push_back({order[i], static_cast<float>(logits[order[i]] - log_z)});
+  }
+  return out;
+}
+
 SampleResult Sample(absl::Span<const float> logits, const SamplingParams& p,
                     absl::Span<const int32_t> history, int index, std::vector<float>* scratch) {
   const int v = static_cast<int>(logits.size());
@@ -81,18 +105,8 @@ SampleResult Sample(absl::Span<const float> logits, const SamplingParams& p,
   }
 
   if (p.logprobs >= 0) {
-    out.logprob = static_cast<float>(logits[out.token] - log_z);
-    const int n = std::min(p.logprobs, v);
-    if (n > 0) {
-      std::vector<int32_t> order(v);
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
-        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-      });
-      for (int i = 0; i < n; ++i) {
-        out.top.push_back({order[i], static_cast<float>(logits[order[i]] - log_z)});
-      }
-    }
+    const int32_t token = out.token;
+    out = TokenLogprobs(logits, token, p.logprobs, log_z);
   }
   return out;
 }

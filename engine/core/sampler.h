@@ -3,6 +3,7 @@
 // is a hash of seed and index), so it is the same alone, in any batch, and after a preemption.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -34,6 +35,10 @@ struct SampleResult {
 // 0-based index of the token being generated. `scratch` is reused between calls.
 SampleResult Sample(absl::Span<const float> logits, const SamplingParams& params,
                     absl::Span<const int32_t> history, int index, std::vector<float>* scratch);
+
+// `token`'s log-softmax under `logits` and the `top_n` most likely tokens' (ties: lower id first).
+// `log_z`: the logits' log-sum-exp when the caller has it, NaN to compute it here.
+SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int top_n, double log_z = NAN);
 
 // The uniform draw in [0, 1) used for generated token `index` of a request with `seed`.
 double SampleUniform(uint64_t seed, int index);

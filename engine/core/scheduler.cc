@@ -18,7 +18,7 @@ Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const Sc
     const int need = BlocksForTokens(s.num_computed + chunk, config.block_size) - s.num_blocks;
     while (need > free && last > i) {
       out.preempted.push_back(running[last].id);
-      free += running[last].num_blocks + running[last].encoder_blocks;
+      free += running[last].num_blocks + running[last].encoder_blocks - running[last].shared_blocks;
       --last;
     }
     if (need > free) {  // even alone it cannot grow: it yields its own blocks
@@ -35,13 +35,16 @@ Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const Sc
   int num_running = static_cast<int>(running.size());
   for (const SchedSeq& w : waiting) {
     if (budget <= 0 || num_running >= config.max_num_seqs) break;
-    const int encode = std::min(w.encoder_tokens, config.max_batch_tokens - 1);
+    // A sequence that already holds its input's K/V (shared by the sequence it was forked from) is not
+    // encoded again.
+    const bool encoded = w.encoder_blocks > 0;
+    const int encode = encoded ? 0 : std::min(w.encoder_tokens, config.max_batch_tokens - 1);
     if (encode > budget - 1) break;  // the input and at least one decoder token
     const int chunk = std::min(w.num_tokens - w.num_computed, budget - encode);
     const int need = BlocksForTokens(w.num_computed + chunk, config.block_size) - w.num_blocks;
-    const int cross = BlocksForTokens(w.encoder_tokens, config.block_size);
-    if (need + cross > free) break;
-    free -= need + cross;
+    const int cross = encoded ? 0 : BlocksForTokens(w.encoder_tokens, config.block_size);
+    if (need + cross + w.cached_blocks > free) break;
+    free -= need + cross + w.cached_blocks;
     budget -= encode + chunk;
     ++num_running;
     out.chunks.push_back({w.id, chunk, need, true, cross});

@@ -35,7 +35,13 @@ struct SchedSeq {
   // the blocks of the input's cross-attention K/V; those are held (`encoder_blocks`) until the
   // sequence finishes or is preempted.
   int encoder_tokens = 0;
-  int encoder_blocks = 0;  // held; 0 while waiting
+  int encoder_blocks = 0;  // held; 0 while waiting (unless shared from another sequence)
+  // Shared KV blocks. `shared_blocks`: of the blocks held (num_blocks + encoder_blocks), those
+  // another sequence also references; preempting this one frees only the rest. `cached_blocks`
+  // (waiting only): prefix-cache hits counted in num_computed and num_blocks but not yet taken;
+  // taking them removes them from the free count, like allocating.
+  int shared_blocks = 0;
+  int cached_blocks = 0;
 };
 
 struct ScheduledChunk {
