@@ -345,6 +345,83 @@ TEST_F(T5EngineTest, CancelAndDeadlineFreeSelfAndCrossBlocks) {
   EXPECT_EQ(e->Stats().kv_blocks_used, 0);
 }
 
+// n samples of one input: each equals a request of its own with seed + i, and the input is encoded
+// once for the group (the samples share its cross-attention K/V).
+TEST_F(T5EngineTest, SamplesShareTheEncodedInput) {
+  Request r = Work()[5];  // 150 input tokens
+  std::vector<Request> alone;
+  for (int i = 0; i < 3; ++i) {
+    alone.push_back(r);
+    alone.back().sampling.seed = r.sampling.seed + i;
+  }
+  auto solo = NewEngine(256);
+  const std::vector<Output> want = Run(*solo, alone);
+  auto e = NewEngine(256);
+  r.n = 3;
+  auto hs = e->SubmitGroup(r);
+  ASSERT_TRUE(hs.ok()) << hs.status();
+  std::vector<Output> got(3);
+  std::vector<bool> done(3);
+  for (int finished = 0; finished < 3;) {
+    e->RunOnce();
+    for (int i = 0; i < 3; ++i) {
+      Output o;
+      while (!done[i] && (*hs)[i]->Next(&o, absl::ZeroDuration())) {
+        got[i].token_ids.insert(got[i].token_ids.end(), o.token_ids.begin(), o.token_ids.end());
+        got[i].logprobs.insert(got[i].logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+        if (o.finished) done[i] = ++finished > 0;
+      }
+    }
+  }
+  for (int i = 0; i < 3; ++i) ExpectSame(got[i], want[i], "sample " + std::to_string(i));
+  EXPECT_EQ(e->Stats().encoder_tokens, 150);
+  EXPECT_EQ(e->Stats().kv_blocks_used, 0);
+}
+
+// Scoring transformers' own greedy outputs as continuations of their inputs: each token's
+// log-probability is the log-softmax of transformers' logits for that step.
+TEST_F(T5EngineTest, ScoresMatchTransformers) {
+  const nlohmann::json c = Case("t5-v1_1");
+  const std::vector<testing::T5Input> inputs = testing::ReadT5Reference(c);
+  ASSERT_FALSE(inputs.empty());
+  const int vocab = model_->config().vocab_size;
+  auto e = NewEngine(256);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const testing::T5Input& p = inputs[i];
+    Request r;
+    r.prompt = p.input;
+    const int len = static_cast<int>(p.greedy.size());
+    r.continuations = {p.greedy, std::vector<int32_t>(p.greedy.begin(), p.greedy.begin() + (len + 1) / 2)};
+    auto hs = e->SubmitGroup(r);
+    ASSERT_TRUE(hs.ok()) << hs.status();
+    std::vector<std::vector<SampleResult>> got(2);
+    std::vector<bool> done(2);
+    for (int finished = 0; finished < 2;) {
+      e->RunOnce();
+      for (int k = 0; k < 2; ++k) {
+        Output o;
+        while (!done[k] && (*hs)[k]->Next(&o, absl::ZeroDuration())) {
+          got[k].insert(got[k].end(), o.logprobs.begin(), o.logprobs.end());
+          if (o.finished) done[k] = ++finished > 0;
+        }
+      }
+    }
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_EQ(got[k].size(), r.continuations[k].size());
+      for (size_t t = 0; t < got[k].size(); ++t) {
+        const double* row = p.logits.data() + t * vocab;
+        double mx = -INFINITY, z = 0;
+        for (int v = 0; v < vocab; ++v) mx = std::max(mx, row[v]);
+        for (int v = 0; v < vocab; ++v) z += std::exp(row[v] - mx);
+        const double want = row[p.greedy[t]] - mx - std::log(z);
+        // transformers computes in float32 too: a few float32 ulps of the largest logit.
+        EXPECT_NEAR(got[k][t].logprob, want, 1e-4 * std::max(1.0, mx)) << "input " << i << " token " << t;
+      }
+    }
+  }
+  EXPECT_EQ(e->Stats().kv_blocks_used, 0);
+}
+
 TEST_F(T5EngineTest, InputAndOutputLimitsAreEachTheContext) {
   auto e = NewEngine(256);
   const int ctx = model_->config().max_seq_len;
