@@ -36,6 +36,7 @@ int Usage() {
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
+               "                          [--shared_prefix_len 0]   (tokens every synthetic prompt starts with)\n"
                "                          [--json FILE] [--png FILE]\n"
                "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,int8] [--kv_cache_dtype f32,bf16]\n"
                "                             [--fortunes DIR] [--window 256]\n"
@@ -188,6 +189,7 @@ int main(int argc, char** argv) {
       else if (f == "--output_len") ok = absl::SimpleAtoi(v, &o.output_len) && o.output_len > 0;
       else if (f == "--spread") ok = absl::SimpleAtod(v, &o.spread) && o.spread >= 0 && o.spread < 1;
       else if (f == "--prompts_file") o.prompts_file = v;
+      else if (f == "--shared_prefix_len") ok = absl::SimpleAtoi(v, &o.shared_prefix_len) && o.shared_prefix_len >= 0;
       else if (f == "--slo_ttft") ok = absl::SimpleAtod(v, &o.slo_ttft);
       else if (f == "--slo_tpot") ok = absl::SimpleAtod(v, &o.slo_tpot);
       else if (f == "--timeout") ok = absl::SimpleAtod(v, &o.timeout) && o.timeout > 0;

@@ -74,6 +74,10 @@ class Runner {
     if (!prompts_.empty()) {
       r.set_text(prompts_[rng() % prompts_.size()]);
     } else {
+      std::mt19937_64 shared(o_.seed ^ 0x5eed);  // the same prefix in every request of the run
+      for (int i = 0; i < o_.shared_prefix_len; ++i) {
+        r.mutable_token_ids()->add_ids(static_cast<int32_t>(32 + shared() % 95));
+      }
       const int n = length(o_.prompt_len);
       for (int i = 0; i < n; ++i) r.mutable_token_ids()->add_ids(static_cast<int32_t>(32 + rng() % 95));
     }
@@ -248,6 +252,7 @@ int RunServeBench(const ServeOptions& o) {
     std::fflush(stdout);
   }
   const json out = {{"server", o.server}, {"num_requests", o.num_requests}, {"prompt_len", o.prompt_len},
+                    {"shared_prefix_len", o.shared_prefix_len},
                     {"output_len", o.output_len}, {"spread", o.spread}, {"slo_ttft_s", o.slo_ttft},
                     {"slo_tpot_s", o.slo_tpot}, {"results", results}};
   if (!o.json_out.empty()) {

@@ -15,6 +15,7 @@ struct ServeOptions {
   int output_len = 64;
   double spread = 0.5;
   std::string prompts_file;   // one text prompt per line instead of synthetic prompts
+  int shared_prefix_len = 0;  // synthetic prompts: the same first tokens (a system prompt), then prompt_len random ones
   double slo_ttft = 1.0;      // seconds, for goodput
   double slo_tpot = 0.1;
   double timeout = 300;
