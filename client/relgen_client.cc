@@ -1,9 +1,13 @@
-// relgen-client: generate text or read model info from a relgen-server, from the shell.
+// relgen-client: generate text, score continuations or read model info from a relgen-server, from
+// the shell.
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <future>
+#include <string>
+#include <vector>
 
 #include <cstdio>
 #include <fstream>
@@ -42,6 +46,42 @@ const char* FinishName(v1::FinishReason r) {
     case v1::FINISH_REASON_EOS: return "eos";
     default: return "unspecified";
   }
+}
+
+// "id 72 'H' -1.2345", the text quoted when known.
+std::string TokenLine(int32_t id, float logprob, const std::string& text) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6f", logprob);
+  return "id " + std::to_string(id) + (text.empty() ? "" : " '" + text + "'") + " " + buf;
+}
+
+// One line per token: its id and log-probability, then the alternatives when asked.
+void PrintTokenInfos(const google::protobuf::RepeatedPtrField<v1::TokenInfo>& infos, const std::string& label,
+                     int first_position) {
+  for (int i = 0; i < infos.size(); ++i) {
+    const v1::TokenInfo& t = infos[i];
+    std::string text;  // the chosen token's text, when it is among the alternatives
+    for (const auto& a : t.top_logprobs()) {
+      if (a.token_id() == t.token_id()) text = a.text();
+    }
+    std::string line =
+        "  " + label + " " + std::to_string(first_position + i) + ": " + TokenLine(t.token_id(), t.logprob(), text);
+    if (t.top_logprobs_size() > 0) {
+      line += "  [";
+      for (int j = 0; j < t.top_logprobs_size(); ++j) {
+        const auto& a = t.top_logprobs(j);
+        line += (j > 0 ? ", " : "") + TokenLine(a.token_id(), a.logprob(), a.text());
+      }
+      line += "]";
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+void PrintPromptLogprobs(const google::protobuf::RepeatedPtrField<v1::TokenInfo>& infos) {
+  if (infos.empty()) return;
+  std::printf("prompt log-probabilities (position: token, log-probability):\n");
+  PrintTokenInfos(infos, "prompt", 1);
 }
 
 int Main(int argc, char** argv) {
@@ -117,8 +157,26 @@ int Main(int argc, char** argv) {
   if (!o.prompt_given) {
     std::stringstream ss;
     ss << std::cin.rdbuf();
-    o.request.set_text(ss.str());
+    (o.command == "score" ? o.score.mutable_text() : o.request.mutable_text())->assign(ss.str());
   }
+  if (o.command == "score") {
+    v1::ScoreResponse resp;
+    const grpc::Status s = stub->Score(&ctx, o.score, &resp);
+    if (!s.ok()) return Failed(s, o.server);
+    if (o.json) {
+      std::printf("%s\n", Json(resp).c_str());
+      return 0;
+    }
+    for (int i = 0; i < resp.scores_size(); ++i) {
+      const v1::ContinuationScore& c = resp.scores(i);
+      const v1::Continuation& asked = o.score.continuations(i);
+      std::printf("continuation %d%s: sum %.6f over %d tokens\n", i,
+                  asked.has_text() ? (" '" + asked.text() + "'").c_str() : "", c.sum_logprob(), c.logprobs_size());
+      PrintTokenInfos(c.logprobs(), "token", 0);
+    }
+    return 0;
+  }
+  const int n = o.request.has_n() ? o.request.n() : 1;
   if (!o.stream) {
     v1::GenerateResponse resp;
     const grpc::Status s = stub->Generate(&ctx, o.request, &resp);
@@ -126,20 +184,43 @@ int Main(int argc, char** argv) {
     if (o.json) {
       std::printf("%s\n", Json(resp).c_str());
     } else {
-      std::printf("%s\n", resp.text().c_str());
+      PrintPromptLogprobs(resp.prompt_logprobs());
+      if (resp.samples().empty()) {
+        std::printf("%s\n", resp.text().c_str());
+      } else {
+        for (const v1::Sample& sample : resp.samples()) {
+          std::printf("--- sample %d (%s, %d tokens)\n%s\n", sample.index(), FinishName(sample.finish_reason()),
+                      sample.generated_tokens(), sample.text().c_str());
+        }
+      }
     }
     return 0;
   }
   auto reader = stub->GenerateStream(&ctx, o.request);
   v1::GenerateStreamResponse m;
+  std::vector<std::string> texts(std::max(n, 1));  // n > 1: each sample's text until it is done
   while (reader->Read(&m)) {
     if (o.json) {
       std::printf("%s\n", Json(m).c_str());
     } else {
-      std::fwrite(m.text_delta().data(), 1, m.text_delta().size(), stdout);
-      if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-        std::printf("\n");
-        std::fprintf(stderr, "[%s: %d prompt + %d generated tokens, first token %.3f s, total %.3f s]\n",
+      PrintPromptLogprobs(m.prompt_logprobs());
+      const bool done = m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+      if (n <= 1) {
+        std::fwrite(m.text_delta().data(), 1, m.text_delta().size(), stdout);
+        if (done) std::printf("\n");
+      } else if (m.sample_index() >= 0 && m.sample_index() < n) {
+        // Interleaved samples would be unreadable: each is printed whole once it is done.
+        std::string& text = texts[m.sample_index()];
+        text += m.text_delta();
+        if (done) {
+          std::printf("--- sample %d (%s, %d tokens)\n%s\n", m.sample_index(), FinishName(m.finish_reason()),
+                      m.usage().generated_tokens(), text.c_str());
+          text.clear();
+        }
+      }
+      if (done) {
+        std::fprintf(stderr, "[%s%s: %d prompt + %d generated tokens, first token %.3f s, total %.3f s]\n",
+                     n > 1 ? ("sample " + std::to_string(m.sample_index()) + " ").c_str() : "",
                      FinishName(m.finish_reason()), m.usage().prompt_tokens(), m.usage().generated_tokens(),
                      m.timing().time_to_first_token_seconds(), m.timing().total_seconds());
       }

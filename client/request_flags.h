@@ -1,5 +1,5 @@
-// relgen-client's command line: one flag per GenerateRequest field, parsed without globals so the
-// mapping can be tested. Thread-safety: pure functions.
+// relgen-client's command line: one flag per GenerateRequest field (and ScoreRequest field for the
+// score command), parsed without globals so the mapping can be tested. Thread-safety: pure functions.
 #pragma once
 
 #include <string>
@@ -10,14 +10,15 @@
 namespace relgen::client {
 
 struct ClientOptions {
-  std::string command;  // generate | info | health
+  std::string command;  // generate | score | info | health
   std::string server = "localhost:50051";
   bool stream = false;
   bool json = false;
   double timeout_seconds = 0;  // 0: no deadline
   std::string tls_ca;          // PEM roots: connect with TLS
-  bool prompt_given = false;   // --prompt, --token_ids or positional words
+  bool prompt_given = false;   // --prompt, --token_ids or positional words (score: the context)
   v1::GenerateRequest request;
+  v1::ScoreRequest score;      // the score command's request
 };
 
 // Flag -> the GenerateRequest field it sets (field names as in the proto).
@@ -27,8 +28,12 @@ struct FieldFlag {
   const char* help;
 };
 const std::vector<FieldFlag>& RequestFlags();
+// The score command's flags -> ScoreRequest fields (--continuation and --continuation_token_ids both
+// add to continuations).
+const std::vector<FieldFlag>& ScoreFlags();
 
-// Parses argv (without the program name). Positional words after the command form the prompt.
+// Parses argv (without the program name). Positional words after the command form the prompt
+// (score: the context).
 // Returns an empty string on success, else what is wrong (for a usage message).
 std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out);
 

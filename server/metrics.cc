@@ -69,9 +69,13 @@ class Metrics::LiveGauges final : public prometheus::Collectable {
     out.push_back(GaugeFamily("relgen_num_requests_waiting", "Requests queued for admission.", {GaugeValue(s.num_waiting)}));
     out.push_back(GaugeFamily("relgen_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).",
                               {GaugeValue(s.kv_blocks_total > 0 ? double(s.kv_blocks_used) / s.kv_blocks_total : 0.0)}));
+    // used + cached + free = total: a cached block holds a prefix no sequence references, and is
+    // taken back when a free one is needed.
     out.push_back(GaugeFamily("relgen_kv_cache_blocks", "KV cache blocks by state.",
                               {GaugeValue(s.kv_blocks_used, {{"state", "used"}}),
-                               GaugeValue(s.kv_blocks_total - s.kv_blocks_used, {{"state", "free"}})}));
+                               GaugeValue(s.kv_blocks_cached, {{"state", "cached"}}),
+                               GaugeValue(s.kv_blocks_total - s.kv_blocks_used - s.kv_blocks_cached,
+                                          {{"state", "free"}})}));
     const std::string device = s.device.empty() ? "none" : s.device;
     out.push_back(GaugeFamily("relgen_device_memory_bytes", "Memory the engine holds on its device, by kind.",
                               {GaugeValue(double(s.memory.weights), {{"device", device}, {"kind", "weights"}}),
@@ -103,13 +107,22 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                             "Input tokens encoded by an encoder-decoder model (again after a preemption too).");
   generation_tokens_ = counter("relgen_generation_tokens_total", "Generated tokens.");
   preemptions_ = counter("relgen_preemptions_total", "Sequences preempted for lack of KV cache (recomputed later).");
+  prefix_cache_queries_ = counter("relgen_prefix_cache_queries_total",
+                                  "Prompt tokens looked up in the prefix cache at admission.");
+  prefix_cache_hits_ = counter("relgen_prefix_cache_hits_total",
+                               "Prompt tokens found in the prefix cache at admission (not computed again).");
   received_ = counter("relgen_requests_received_total",
-                      "Generate and GenerateStream calls that reached the server (refused ones included).");
+                      "Generate, GenerateStream and Score calls that reached the server (refused ones included).");
   rejected_ = counter("relgen_requests_rejected_total",
-                      "Generate and GenerateStream calls refused before the engine (invalid, unauthenticated, queue full, loading, draining).");
+                      "Generate, GenerateStream and Score calls refused before the engine (invalid, "
+                      "unauthenticated, queue full, loading, draining).");
   stream_write_timeouts_ = counter("relgen_stream_write_timeouts_total",
                                    "Streams cancelled because the client left a write unread past --stream_write_timeout_seconds.");
-  requests_ = &prometheus::BuildCounter().Name("relgen_requests_total").Help("Finished requests by finish reason.").Register(*registry_);
+  requests_ = &prometheus::BuildCounter()
+                   .Name("relgen_requests_total")
+                   .Help("Finished requests by finish reason (each sample of a call, and each continuation it "
+                         "scores, is one).")
+                   .Register(*registry_);
   for (const char* r : kFinishReasons) requests_->Add({{"finish_reason", r}});
   errors_ = &prometheus::BuildCounter().Name("relgen_request_errors_total")
                  .Help("Requests answered with an error status, by gRPC status code.").Register(*registry_);
@@ -152,6 +165,11 @@ void Metrics::OnStep(int num_seqs, int) { batch_size_->Observe(num_seqs); }
 void Metrics::OnPreemptions(int count) { preemptions_->Increment(count); }
 
 void Metrics::OnEncoded(int tokens) { encoder_tokens_->Increment(tokens); }
+
+void Metrics::OnPrefixCache(int queried_tokens, int hit_tokens) {
+  prefix_cache_queries_->Increment(queried_tokens);
+  prefix_cache_hits_->Increment(hit_tokens);
+}
 
 void Metrics::OnToken(absl::Duration since_previous) {
   generation_tokens_->Increment();

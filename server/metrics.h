@@ -37,12 +37,12 @@ class Metrics final : public EngineObserver {
   void SetEngine(const Engine* engine) { engine_.store(engine); }
   // A request answered with a non-OK status before or outside the engine's books.
   void OnRefused(grpc::StatusCode code);
-  // A Generate or GenerateStream call refused before the engine saw it (also an error).
+  // A Generate, GenerateStream or Score call refused before the engine saw it (also an error).
   void OnRejected(grpc::StatusCode code) {
     OnRefused(code);
     rejected_->Increment();
   }
-  // A Generate or GenerateStream call reached the handler (before validation).
+  // A Generate, GenerateStream or Score call reached the handler (before validation).
   void OnReceived() { received_->Increment(); }
   // A stream cancelled because its client left a write unread past --stream_write_timeout_seconds.
   void OnStreamWriteTimeout() { stream_write_timeouts_->Increment(); }
@@ -52,6 +52,7 @@ class Metrics final : public EngineObserver {
   void OnEncoded(int tokens) override;
   void OnToken(absl::Duration since_previous) override;
   void OnFinished(const RequestSummary& summary) override;
+  void OnPrefixCache(int queried_tokens, int hit_tokens) override;
 
  private:
   class LiveGauges;
@@ -72,6 +73,8 @@ class Metrics final : public EngineObserver {
   prometheus::Counter* encoder_tokens_;
   prometheus::Counter* generation_tokens_;
   prometheus::Counter* preemptions_;
+  prometheus::Counter* prefix_cache_queries_;
+  prometheus::Counter* prefix_cache_hits_;
   prometheus::Counter* stream_write_timeouts_;
   prometheus::Counter* received_;
   prometheus::Counter* rejected_;

@@ -21,6 +21,7 @@ struct Options {
   int64_t kv_cache_tokens = 0;           // 0: size by kv_cache_memory_fraction
   double kv_cache_memory_fraction = 0.2;
   int kv_block_size = 16;
+  bool enable_prefix_caching = true;     // reuse computed prompt prefixes' KV blocks
   int max_new_tokens = 4096;             // largest a request may ask for
   int default_max_new_tokens = 128;
   int64_t max_prompt_bytes = 256 << 10;  // text prompts

@@ -30,11 +30,10 @@ std::string NewRequestId() {
   return absl::StrFormat("%016x", rng());
 }
 
-void FillTokens(const Output& o, const Tokenizer& tok, google::protobuf::RepeatedField<int32_t>* ids,
-                google::protobuf::RepeatedPtrField<v1::TokenInfo>* logprobs) {
-  for (int32_t t : o.token_ids) ids->Add(t);
-  for (const SampleResult& r : o.logprobs) {
-    v1::TokenInfo* info = logprobs->Add();
+void FillInfos(const std::vector<SampleResult>& results, const Tokenizer& tok,
+               google::protobuf::RepeatedPtrField<v1::TokenInfo>* infos) {
+  for (const SampleResult& r : results) {
+    v1::TokenInfo* info = infos->Add();
     info->set_token_id(r.token);
     info->set_logprob(r.logprob);
     for (const TokenLogprob& alt : r.top) {
@@ -46,15 +45,52 @@ void FillTokens(const Output& o, const Tokenizer& tok, google::protobuf::Repeate
   }
 }
 
+void FillTokens(const Output& o, const Tokenizer& tok, google::protobuf::RepeatedField<int32_t>* ids,
+                google::protobuf::RepeatedPtrField<v1::TokenInfo>* logprobs) {
+  for (int32_t t : o.token_ids) ids->Add(t);
+  FillInfos(o.logprobs, tok, logprobs);
+}
+
+void FillTiming(const RequestTiming& t, v1::Timing* m) {
+  m->set_queue_seconds(absl::ToDoubleSeconds(t.queue));
+  m->set_time_to_first_token_seconds(absl::ToDoubleSeconds(t.time_to_first_token));
+  m->set_total_seconds(absl::ToDoubleSeconds(t.total));
+}
+
 template <typename Msg>
 void FillFinal(const Output& o, Msg* m) {
   m->set_finish_reason(ToProto(o.finish_reason));
   m->mutable_usage()->set_prompt_tokens(o.prompt_tokens);
   m->mutable_usage()->set_generated_tokens(o.generated_tokens);
-  m->mutable_timing()->set_queue_seconds(absl::ToDoubleSeconds(o.timing.queue));
-  m->mutable_timing()->set_time_to_first_token_seconds(absl::ToDoubleSeconds(o.timing.time_to_first_token));
-  m->mutable_timing()->set_total_seconds(absl::ToDoubleSeconds(o.timing.total));
+  FillTiming(o.timing, m->mutable_timing());
 }
+
+// A call's timing over its samples or continuations: the first scheduled, the first token of any,
+// the last finished (one of them: its own).
+class CallTiming {
+ public:
+  void Add(const Output& final_output) {
+    const RequestTiming& t = final_output.timing;
+    if (count_++ == 0) {
+      t_ = t;
+      has_token_ = final_output.generated_tokens > 0;
+      return;
+    }
+    t_.queue = std::min(t_.queue, t.queue);
+    t_.total = std::max(t_.total, t.total);
+    if (final_output.generated_tokens > 0) {
+      t_.time_to_first_token = has_token_ ? std::min(t_.time_to_first_token, t.time_to_first_token)
+                                          : t.time_to_first_token;
+      has_token_ = true;
+    }
+  }
+  const RequestTiming& get() const { return t_; }
+
+ private:
+  int count_ = 0;
+  bool has_token_ = false;
+  RequestTiming t_;
+};
 
 // Whether a cancelled call is the client's deadline passing. The client gives up at its own
 // deadline, which this server sees slightly later (the deadline travels as a timeout), so the
@@ -90,18 +126,25 @@ class Handoff {
   void* reactor_;
 };
 
-// What both call kinds share. Lifetime: the engine may signal a call (from its thread) until the
-// call's final output is delivered; the signal reaches the reactor only through the guard, which
-// OnDone disarms before the reactor is deleted. Derived::Pump runs with the guard held.
+using Handles = std::vector<std::shared_ptr<RequestHandle>>;
+
+// What every call kind shares. Lifetime: the engine may signal a call (from its thread) until the
+// final output of each of its handles is delivered; the signal reaches the reactor only through the
+// guard, which OnDone disarms before the reactor is deleted. Derived::Pump runs with the guard held.
+// `handles_` is fixed at construction, so OnCancel may read it from any thread.
 template <typename Derived, typename Reactor>
 class Call : public Reactor {
  public:
-  Call(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle)
-      : service_(service), ctx_(ctx), handle_(std::move(handle)), guard_(std::make_shared<Guard>()) {}
+  Call(GenerationService* service, grpc::CallbackServerContext* ctx, Handles handles)
+      : service_(service),
+        ctx_(ctx),
+        handles_(std::move(handles)),
+        done_(handles_.size(), false),
+        guard_(std::make_shared<Guard>()) {}
 
   void OnCancel() override {
     Handoff h(this);
-    handle_->Cancel(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled);
+    CancelAll(DeadlinePassed(ctx_) ? FinishReason::kDeadline : FinishReason::kCancelled);
   }
   void OnDone() override {
     Handoff h(this);
@@ -123,57 +166,108 @@ class Call : public Reactor {
   void Arm() {
     Handoff h(this);
     guard_->call = static_cast<Derived*>(this);
-    handle_->SetListener([g = guard_] {
-      std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->call != nullptr) {
-        Handoff h(g->call);
-        g->call->Pump();
-      }
-    });
+    for (const auto& handle : handles_) {
+      handle->SetListener([g = guard_] {
+        std::lock_guard<std::recursive_mutex> lock(g->mu);
+        if (g->call != nullptr) {
+          Handoff h(g->call);
+          g->call->Pump();
+        }
+      });
+    }
+  }
+  void CancelAll(FinishReason reason = FinishReason::kCancelled) {
+    for (const auto& handle : handles_) handle->Cancel(reason);
+  }
+  // Marks handle i's final output read; true once every handle's is.
+  bool MarkDone(size_t i) {
+    done_[i] = true;
+    return ++num_done_ == handles_.size();
+  }
+  // Ends a unary call with a handle's error: the others are cancelled (their output is dropped).
+  void FailUnary(const grpc::Status& status) {
+    finished_ = true;
+    CancelAll();
+    service_->Refused(status);
+    this->Finish(status);
   }
 
   GenerationService* service_;
   grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<RequestHandle> handle_;
+  const Handles handles_;
+  std::vector<bool> done_;  // handle i's final output was read
+  size_t num_done_ = 0;
   std::shared_ptr<Guard> guard_;
   bool finished_ = false;
 };
 
 class UnaryCall final : public Call<UnaryCall, grpc::ServerUnaryReactor> {
  public:
-  UnaryCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
-            v1::GenerateResponse* resp)
-      : Call(service, ctx, std::move(handle)), resp_(resp) {
+  UnaryCall(GenerationService* service, grpc::CallbackServerContext* ctx, Handles handles, v1::GenerateResponse* resp)
+      : Call(service, ctx, std::move(handles)), resp_(resp), samples_(handles_.size()) {
     Arm();
   }
 
-  // Collects everything readable; answers once the final output is in.
+  // Collects everything readable; answers once every sample's final output is in.
   void Pump() {
     if (finished_) return;
-    Output o;
-    while (handle_->Next(&o, absl::ZeroDuration())) {
-      resp_->mutable_text()->append(o.text);
-      FillTokens(o, service_->tokenizer(), resp_->mutable_token_ids(), resp_->mutable_logprobs());
-      if (o.finished) {
-        finished_ = true;
-        FillFinal(o, resp_);
+    const Tokenizer& tok = service_->tokenizer();
+    for (size_t i = 0; i < handles_.size(); ++i) {
+      if (done_[i]) continue;
+      v1::Sample& s = samples_[i];
+      Output o;
+      while (handles_[i]->Next(&o, absl::ZeroDuration())) {
+        s.mutable_text()->append(o.text);
+        FillTokens(o, tok, s.mutable_token_ids(), s.mutable_logprobs());
+        FillInfos(o.prompt_logprobs, tok, resp_->mutable_prompt_logprobs());
+        if (!o.finished) continue;
         const grpc::Status status = FinalStatus(o);
-        if (!status.ok()) service_->Refused(status);
-        Finish(status);
-        return;
+        if (!status.ok()) return FailUnary(status);
+        s.set_index(static_cast<int>(i));
+        s.set_finish_reason(ToProto(o.finish_reason));
+        s.set_generated_tokens(o.generated_tokens);
+        prompt_tokens_ = o.prompt_tokens;
+        generated_tokens_ += o.generated_tokens;
+        timing_.Add(o);
+        if (MarkDone(i)) return Answer();
+        break;
       }
     }
   }
 
  private:
+  void Answer() {
+    finished_ = true;
+    // Sample 0 in the fields every client knows; all of them in `samples` when there are several.
+    v1::Sample& first = samples_[0];
+    resp_->set_finish_reason(first.finish_reason());
+    resp_->mutable_usage()->set_prompt_tokens(prompt_tokens_);
+    resp_->mutable_usage()->set_generated_tokens(generated_tokens_);
+    FillTiming(timing_.get(), resp_->mutable_timing());
+    if (samples_.size() == 1) {  // moved, not copied: the output may be long
+      resp_->set_text(std::move(*first.mutable_text()));
+      resp_->mutable_token_ids()->Swap(first.mutable_token_ids());
+      resp_->mutable_logprobs()->Swap(first.mutable_logprobs());
+    } else {
+      resp_->set_text(first.text());
+      *resp_->mutable_token_ids() = first.token_ids();
+      *resp_->mutable_logprobs() = first.logprobs();
+      for (v1::Sample& s : samples_) resp_->mutable_samples()->Add(std::move(s));
+    }
+    Finish(grpc::Status::OK);
+  }
+
   v1::GenerateResponse* resp_;
+  std::vector<v1::Sample> samples_;
+  int prompt_tokens_ = 0;
+  int generated_tokens_ = 0;
+  CallTiming timing_;
 };
 
 class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::GenerateStreamResponse>> {
  public:
-  StreamCall(GenerationService* service, grpc::CallbackServerContext* ctx, std::shared_ptr<RequestHandle> handle,
-             std::string request_id)
-      : Call(service, ctx, std::move(handle)), request_id_(std::move(request_id)) {
+  StreamCall(GenerationService* service, grpc::CallbackServerContext* ctx, Handles handles, std::string request_id)
+      : Call(service, ctx, std::move(handles)), request_id_(std::move(request_id)) {
     clock_.ctx = ctx;
     service->Watch(&clock_);
     Arm();
@@ -192,7 +286,7 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
     clock_.pending_since_ns.store(0);
     writing_ = false;
     if (!ok) {  // the stream is broken: the client is gone or the call was cancelled
-      handle_->Cancel();
+      CancelAll();
       if (!finished_) {
         finished_ = true;
         Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed"));
@@ -202,38 +296,119 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
     Pump();
   }
 
-  // Writes what is readable, one message at a time.
+  // Writes what is readable, one message (one sample's output) at a time. The samples take turns,
+  // so a fast one cannot starve the others' readers.
   void Pump() {
     if (writing_ || finished_) return;
-    Output o;
-    if (!handle_->Next(&o, absl::ZeroDuration())) return;
-    msg_.Clear();
-    msg_.set_request_id(request_id_);
-    msg_.set_text_delta(o.text);
-    FillTokens(o, service_->tokenizer(), msg_.mutable_token_ids(), msg_.mutable_logprobs());
-    clock_.pending_since_ns.store(SteadyNanos());
-    if (!o.finished) {
-      writing_ = true;
-      StartWrite(&msg_);
+    const size_t k = handles_.size();
+    for (size_t step = 0; step < k; ++step) {
+      const size_t i = (next_ + step) % k;
+      if (done_[i]) continue;
+      Output o;
+      if (!handles_[i]->Next(&o, absl::ZeroDuration())) continue;
+      next_ = i + 1;
+      msg_.Clear();
+      msg_.set_request_id(request_id_);
+      msg_.set_sample_index(static_cast<int>(i));
+      msg_.set_text_delta(o.text);
+      FillTokens(o, service_->tokenizer(), msg_.mutable_token_ids(), msg_.mutable_logprobs());
+      FillInfos(o.prompt_logprobs, service_->tokenizer(), msg_.mutable_prompt_logprobs());
+      clock_.pending_since_ns.store(SteadyNanos());
+      if (!o.finished) {
+        writing_ = true;
+        StartWrite(&msg_);
+        return;
+      }
+      const bool last = MarkDone(i);
+      const grpc::Status status = FinalStatus(o);
+      if (!status.ok()) {
+        finished_ = true;
+        clock_.pending_since_ns.store(0);
+        CancelAll();
+        service_->Refused(status);
+        Finish(status);
+        return;
+      }
+      FillFinal(o, &msg_);
+      if (last) {
+        finished_ = true;
+        StartWriteAndFinish(&msg_, grpc::WriteOptions(), status);
+      } else {
+        writing_ = true;
+        StartWrite(&msg_);
+      }
       return;
     }
-    finished_ = true;
-    const grpc::Status status = FinalStatus(o);
-    if (!status.ok()) {
-      clock_.pending_since_ns.store(0);
-      service_->Refused(status);
-      Finish(status);
-      return;
-    }
-    FillFinal(o, &msg_);
-    StartWriteAndFinish(&msg_, grpc::WriteOptions(), status);
   }
 
  private:
   std::string request_id_;
   v1::GenerateStreamResponse msg_;
   bool writing_ = false;
+  size_t next_ = 0;  // the sample whose turn it is
   GenerationService::WriteClock clock_;
+};
+
+class ScoreCall final : public Call<ScoreCall, grpc::ServerUnaryReactor> {
+ public:
+  ScoreCall(GenerationService* service, grpc::CallbackServerContext* ctx, GenerationService::Admission admission,
+            v1::ScoreResponse* resp)
+      : Call(service, ctx, std::move(admission.handles)),
+        resp_(resp),
+        prompt_tokens_(admission.prompt_tokens),
+        continuations_(std::move(admission.continuations)),
+        scores_(handles_.size()) {
+    Arm();
+  }
+
+  // Collects every continuation's log-probabilities; answers once all are in.
+  void Pump() {
+    if (finished_) return;
+    for (size_t i = 0; i < handles_.size(); ++i) {
+      if (done_[i]) continue;
+      Output o;
+      while (handles_[i]->Next(&o, absl::ZeroDuration())) {
+        FillInfos(o.logprobs, service_->tokenizer(), scores_[i].mutable_logprobs());
+        if (!o.finished) continue;
+        const grpc::Status status = FinalStatus(o);
+        if (!status.ok()) return FailUnary(status);
+        if (scores_[i].logprobs_size() != static_cast<int>(continuations_[i].size())) {
+          return FailUnary(grpc::Status(
+              grpc::StatusCode::INTERNAL,
+              absl::StrCat("the engine scored ", scores_[i].logprobs_size(), " tokens of continuations[", i,
+                           "], which has ", continuations_[i].size())));
+        }
+        timing_.Add(o);
+        if (MarkDone(i)) return Answer();
+        break;
+      }
+    }
+  }
+
+ private:
+  void Answer() {
+    finished_ = true;
+    int total = 0;
+    for (size_t i = 0; i < scores_.size(); ++i) {
+      v1::ContinuationScore& s = scores_[i];
+      s.mutable_token_ids()->Add(continuations_[i].begin(), continuations_[i].end());
+      double sum = 0;
+      for (const v1::TokenInfo& t : s.logprobs()) sum += t.logprob();
+      s.set_sum_logprob(sum);
+      total += static_cast<int>(continuations_[i].size());
+      resp_->mutable_scores()->Add(std::move(s));
+    }
+    resp_->mutable_usage()->set_prompt_tokens(prompt_tokens_);
+    resp_->mutable_usage()->set_continuation_tokens(total);
+    FillTiming(timing_.get(), resp_->mutable_timing());
+    Finish(grpc::Status::OK);
+  }
+
+  v1::ScoreResponse* resp_;
+  const int prompt_tokens_;
+  const std::vector<std::vector<int32_t>> continuations_;
+  std::vector<v1::ContinuationScore> scores_;
+  CallTiming timing_;
 };
 
 }  // namespace
@@ -320,15 +495,23 @@ void GenerationService::WatchdogLoop() {
 }
 
 grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
-                                      std::shared_ptr<RequestHandle>* handle, std::string* request_id) {
+                                      Admission* out) {
   metrics_->OnReceived();
-  const grpc::Status s = Submit(ctx, req, handle, request_id);
+  const grpc::Status s = Submit(ctx, req, out);
   if (!s.ok()) metrics_->OnRejected(s.error_code());
   return s;
 }
 
-grpc::Status GenerationService::Submit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
-                                       std::shared_ptr<RequestHandle>* handle, std::string* request_id) {
+grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::ScoreRequest& req,
+                                      Admission* out) {
+  metrics_->OnReceived();
+  const grpc::Status s = Submit(ctx, req, out);
+  if (!s.ok()) metrics_->OnRejected(s.error_code());
+  return s;
+}
+
+template <typename Req>
+grpc::Status GenerationService::Submit(grpc::CallbackServerContext* ctx, const Req& req, Admission* out) {
   Engine* engine = engine_.load();
   if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
   if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
@@ -338,34 +521,35 @@ grpc::Status GenerationService::Submit(grpc::CallbackServerContext* ctx, const v
   grpc::Status s = ToEngineRequest(req, engine->model().config(), engine->tokenizer(), options_, &r);
   if (!s.ok()) return s;
   if (r.id.empty()) r.id = NewRequestId();
-  *request_id = r.id;
+  out->request_id = r.id;
+  out->prompt_tokens = static_cast<int>(r.prompt.size());
+  out->continuations = r.continuations;
   if (ctx->deadline() != std::chrono::system_clock::time_point::max()) r.deadline = absl::FromChrono(ctx->deadline());
-  auto h = engine->Submit(std::move(r));
+  auto h = engine->SubmitGroup(std::move(r));
   if (!h.ok()) return grpc::Status(ToGrpc(h.status().code()), std::string(h.status().message()));
-  *handle = *std::move(h);
+  if (h->empty()) return grpc::Status(grpc::StatusCode::INTERNAL, "the engine returned no request handle");
+  out->handles = *std::move(h);
   in_flight_.fetch_add(1);
   return grpc::Status::OK;
 }
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,
                                                       const v1::GenerateRequest* req, v1::GenerateResponse* resp) {
-  std::shared_ptr<RequestHandle> handle;
-  std::string id;
-  const grpc::Status s = Admit(ctx, *req, &handle, &id);
+  Admission a;
+  const grpc::Status s = Admit(ctx, *req, &a);
   if (!s.ok()) {
     auto* r = ctx->DefaultReactor();
     r->Finish(s);
     return r;
   }
-  resp->set_request_id(id);
-  return new UnaryCall(this, ctx, std::move(handle), resp);
+  resp->set_request_id(a.request_id);
+  return new UnaryCall(this, ctx, std::move(a.handles), resp);
 }
 
 grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::GenerateStream(
     grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
-  std::shared_ptr<RequestHandle> handle;
-  std::string id;
-  const grpc::Status s = Admit(ctx, *req, &handle, &id);
+  Admission a;
+  const grpc::Status s = Admit(ctx, *req, &a);
   if (!s.ok()) {
     class Refuse final : public grpc::ServerWriteReactor<v1::GenerateStreamResponse> {
      public:
@@ -374,7 +558,20 @@ grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::Generat
     };
     return new Refuse(s);
   }
-  return new StreamCall(this, ctx, std::move(handle), std::move(id));
+  return new StreamCall(this, ctx, std::move(a.handles), std::move(a.request_id));
+}
+
+grpc::ServerUnaryReactor* GenerationService::Score(grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
+                                                   v1::ScoreResponse* resp) {
+  Admission a;
+  const grpc::Status s = Admit(ctx, *req, &a);
+  if (!s.ok()) {
+    auto* r = ctx->DefaultReactor();
+    r->Finish(s);
+    return r;
+  }
+  resp->set_request_id(a.request_id);
+  return new ScoreCall(this, ctx, std::move(a), resp);
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* ctx,

@@ -1,8 +1,10 @@
 // relgen.v1.GenerationService on gRPC's callback API. gRPC threads validate and submit; the engine
 // thread signals readable output; each call keeps at most one write in flight and the engine merges
 // output while a write is pending, so a slow reader neither stalls the engine nor grows memory
-// beyond its own output. Client cancel or disconnect, and a passed deadline, cancel the request in
-// the engine at its next step. A stream whose client leaves a write unread for
+// beyond its own output. A call holds one engine handle per sample (Generate with n > 1) or per
+// continuation (Score); it ends with the first non-OK status any of them ends with, cancelling the
+// rest. Client cancel or disconnect, and a passed deadline, cancel every handle of the call in the
+// engine at its next step. A stream whose client leaves a write unread for
 // --stream_write_timeout_seconds is cancelled (a watchdog thread), so a reader that never reads holds
 // its KV blocks and buffered output for a bounded time only.
 #pragma once
@@ -12,6 +14,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "engine/core/engine.h"
 #include "relgen/v1/generation.grpc.pb.h"
@@ -29,20 +32,29 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   void SetEngine(Engine* engine) { engine_.store(engine); }
   // From now on new requests are answered UNAVAILABLE; calls already admitted go on.
   void StartDraining() { draining_.store(true); }
-  // Generate/GenerateStream calls admitted and not yet done.
+  // Generate/GenerateStream/Score calls admitted and not yet done.
   int in_flight() const { return in_flight_.load(); }
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req,
                                      v1::GenerateResponse* resp) override;
   grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerateStream(
       grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) override;
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
+                                  v1::ScoreResponse* resp) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx, const v1::GetModelInfoRequest* req,
                                          v1::ModelInfo* info) override;
 
+  // A call the engine took: one handle per sample or continuation.
+  struct Admission {
+    std::vector<std::shared_ptr<RequestHandle>> handles;
+    std::string request_id;
+    int prompt_tokens = 0;
+    std::vector<std::vector<int32_t>> continuations;  // Score: as tokenised
+  };
   // Shared by the call reactors. Admit books the call as received and, when it returns an error,
   // as rejected.
-  grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
-                     std::shared_ptr<RequestHandle>* handle, std::string* request_id);
+  grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req, Admission* out);
+  grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::ScoreRequest& req, Admission* out);
   void Refused(const grpc::Status& status) { metrics_->OnRefused(status.error_code()); }
   void CallDone() { in_flight_.fetch_sub(1); }
   const Tokenizer& tokenizer() const { return engine_.load()->tokenizer(); }
@@ -64,9 +76,9 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
 
-  // Validates and submits to the engine.
-  grpc::Status Submit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
-                      std::shared_ptr<RequestHandle>* handle, std::string* request_id);
+  // Validates and submits to the engine (Req: GenerateRequest or ScoreRequest; defined in the .cc).
+  template <typename Req>
+  grpc::Status Submit(grpc::CallbackServerContext* ctx, const Req& req, Admission* out);
 
   void WatchdogLoop();
   // Recursive: TryCancel may run the call's callbacks, Unwatch included, on the watchdog's thread.

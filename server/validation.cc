@@ -12,37 +12,48 @@ grpc::Status Invalid(absl::string_view field, absl::string_view what) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat(field, ": ", what));
 }
 
+// The prompt (Generate) or context (Score), `noun` naming which: text after the model's BOS, or
+// token ids.
+template <typename Msg>
+grpc::Status ToPrompt(const Msg& in, const ModelConfig& c, const Tokenizer& tokenizer, const Options& options,
+                      absl::string_view noun, std::vector<int32_t>* out) {
+  if (in.has_text()) {
+    if (in.text().empty()) return Invalid("text", absl::StrCat("the ", noun, " is empty; give text or token_ids"));
+    if (static_cast<int64_t>(in.text().size()) > options.max_prompt_bytes) {
+      return Invalid("text", absl::StrCat(in.text().size(), " bytes; allowed at most ", options.max_prompt_bytes,
+                                          " (--max_prompt_bytes)"));
+    }
+    if (c.bos_token_id >= 0 && c.bos_before_text) out->push_back(c.bos_token_id);
+    for (int32_t t : tokenizer.Encode(in.text())) out->push_back(t);
+  } else if (in.has_token_ids()) {
+    if (in.token_ids().ids().empty()) return Invalid("token_ids", absl::StrCat("the ", noun, " is empty"));
+    for (int i = 0; i < in.token_ids().ids_size(); ++i) {
+      const int32_t t = in.token_ids().ids(i);
+      if (t < 0 || t >= c.vocab_size) {
+        return Invalid("token_ids", absl::StrCat("ids[", i, "] = ", t, "; allowed 0..", c.vocab_size - 1));
+      }
+    }
+    out->assign(in.token_ids().ids().begin(), in.token_ids().ids().end());
+  } else {
+    return Invalid(noun, "missing; set text or token_ids");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ToRequestId(const std::string& id, Request* out) {
+  if (id.size() > kMaxRequestIdBytes) {
+    return Invalid("request_id", absl::StrCat(id.size(), " bytes; allowed at most ", kMaxRequestIdBytes));
+  }
+  out->id = id;
+  return grpc::Status::OK;
+}
+
 }  // namespace
 
 grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c,
                              const Tokenizer& tokenizer, const Options& options, Request* out) {
-  if (in.request_id().size() > kMaxRequestIdBytes) {
-    return Invalid("request_id", absl::StrCat(in.request_id().size(), " bytes; allowed at most ", kMaxRequestIdBytes));
-  }
-  out->id = in.request_id();
-  switch (in.prompt_case()) {
-    case v1::GenerateRequest::kText:
-      if (in.text().empty()) return Invalid("text", "the prompt is empty; give text or token_ids");
-      if (static_cast<int64_t>(in.text().size()) > options.max_prompt_bytes) {
-        return Invalid("text", absl::StrCat(in.text().size(), " bytes; allowed at most ", options.max_prompt_bytes,
-                                            " (--max_prompt_bytes)"));
-      }
-      if (c.bos_token_id >= 0 && c.bos_before_text) out->prompt.push_back(c.bos_token_id);
-      for (int32_t t : tokenizer.Encode(in.text())) out->prompt.push_back(t);
-      break;
-    case v1::GenerateRequest::kTokenIds:
-      if (in.token_ids().ids().empty()) return Invalid("token_ids", "the prompt is empty");
-      for (int i = 0; i < in.token_ids().ids_size(); ++i) {
-        const int32_t t = in.token_ids().ids(i);
-        if (t < 0 || t >= c.vocab_size) {
-          return Invalid("token_ids", absl::StrCat("ids[", i, "] = ", t, "; allowed 0..", c.vocab_size - 1));
-        }
-      }
-      out->prompt.assign(in.token_ids().ids().begin(), in.token_ids().ids().end());
-      break;
-    default:
-      return Invalid("prompt", "missing; set text or token_ids");
-  }
+  if (grpc::Status s = ToRequestId(in.request_id(), out); !s.ok()) return s;
+  if (grpc::Status s = ToPrompt(in, c, tokenizer, options, "prompt", &out->prompt); !s.ok()) return s;
   const int n = static_cast<int>(out->prompt.size());
   if (c.encoder_decoder && n > c.max_seq_len) {
     return Invalid(in.has_text() ? "text" : "token_ids",
@@ -115,6 +126,92 @@ grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c
     out->stop.stop_token_ids.push_back(t);
   }
   out->stop.ignore_eos = in.ignore_eos();
+  out->n = in.has_n() ? in.n() : 1;
+  if (out->n < 1 || out->n > kMaxSamples) {
+    return Invalid("n", absl::StrCat(out->n, " samples; allowed 1..", kMaxSamples));
+  }
+  if (in.has_prompt_logprobs()) {
+    if (in.prompt_logprobs() < 0 || in.prompt_logprobs() > kMaxPromptLogprobs) {
+      return Invalid("prompt_logprobs", absl::StrCat(in.prompt_logprobs(), "; allowed 0..", kMaxPromptLogprobs));
+    }
+    if (c.encoder_decoder) {
+      // The encoder's input is read, not predicted: there is nothing to score.
+      return Invalid("prompt_logprobs", absl::StrCat("the model is encoder-decoder (", c.architecture,
+                                                     "): its input has no log-probabilities; allowed on decoder "
+                                                     "models only (leave it unset)"));
+    }
+    out->prompt_logprobs = in.prompt_logprobs();
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ToEngineRequest(const v1::ScoreRequest& in, const ModelConfig& c, const Tokenizer& tokenizer,
+                             const Options& options, Request* out) {
+  if (grpc::Status s = ToRequestId(in.request_id(), out); !s.ok()) return s;
+  if (grpc::Status s = ToPrompt(in, c, tokenizer, options, "context", &out->prompt); !s.ok()) return s;
+  const int n = static_cast<int>(out->prompt.size());
+  const char* const context_field = in.has_text() ? "text" : "token_ids";
+  if (c.encoder_decoder && n > c.max_seq_len) {
+    return Invalid(context_field,
+                   absl::StrCat("the context is ", n, " tokens; the model's encoder takes at most ", c.max_seq_len));
+  }
+  if (!c.encoder_decoder && n >= c.max_seq_len) {
+    return Invalid(context_field, absl::StrCat("the context is ", n, " tokens; the model's context is ", c.max_seq_len,
+                                               " tokens, so at most ", c.max_seq_len - 1,
+                                               " context tokens (a continuation needs one)"));
+  }
+  const int k = in.continuations_size();
+  if (k < 1 || k > kMaxContinuations) {
+    return Invalid("continuations", absl::StrCat(k, " continuations; allowed 1..", kMaxContinuations));
+  }
+  out->continuations.resize(k);
+  for (int i = 0; i < k; ++i) {
+    const v1::Continuation& cont = in.continuations(i);
+    std::vector<int32_t>& ids = out->continuations[i];
+    const std::string name = absl::StrCat("continuations[", i, "]");
+    if (cont.has_text()) {
+      if (static_cast<int64_t>(cont.text().size()) > options.max_prompt_bytes) {
+        return Invalid("continuations", absl::StrCat(name, " is ", cont.text().size(), " bytes; allowed at most ",
+                                                     options.max_prompt_bytes, " (--max_prompt_bytes)"));
+      }
+      ids = tokenizer.Encode(cont.text());
+      // Scored after the context, so a BOS the tokenizer puts before every text does not belong.
+      if (!c.encoder_decoder && c.bos_token_id >= 0 && !ids.empty() && ids[0] == c.bos_token_id) {
+        ids.erase(ids.begin());
+      }
+    } else if (cont.has_token_ids()) {
+      for (int j = 0; j < cont.token_ids().ids_size(); ++j) {
+        const int32_t t = cont.token_ids().ids(j);
+        if (t < 0 || t >= c.vocab_size) {
+          return Invalid("continuations", absl::StrCat(name, ".token_ids: ids[", j, "] = ", t, "; allowed 0..",
+                                                       c.vocab_size - 1));
+        }
+      }
+      ids.assign(cont.token_ids().ids().begin(), cont.token_ids().ids().end());
+    }
+    const int m = static_cast<int>(ids.size());
+    if (m == 0) {
+      return Invalid("continuations", absl::StrCat(name, " is empty; each continuation needs at least one token "
+                                                         "(set text or token_ids)"));
+    }
+    // The decoder's context holds decoder_start_token_id before the continuation.
+    if (c.encoder_decoder && m > c.max_seq_len - 1) {
+      return Invalid("continuations", absl::StrCat(name, " is ", m, " tokens; the model's decoder takes at most ",
+                                                   c.max_seq_len - 1, " after its start token"));
+    }
+    if (!c.encoder_decoder && n + m > c.max_seq_len) {
+      return Invalid("continuations", absl::StrCat(name, " is ", m, " tokens after a context of ", n,
+                                                   " tokens: together over the model's context of ", c.max_seq_len,
+                                                   " tokens; allowed at most ", c.max_seq_len - n,
+                                                   " continuation tokens after this context"));
+    }
+  }
+  out->sampling.logprobs = in.has_top_logprobs() ? in.top_logprobs() : 0;
+  if (out->sampling.logprobs < 0 || out->sampling.logprobs > kMaxLogprobs) {
+    return Invalid("top_logprobs", absl::StrCat(out->sampling.logprobs, "; allowed 0..", kMaxLogprobs));
+  }
+  out->sampling.temperature = 0.0f;  // nothing is sampled
+  out->stop.max_new_tokens = 1;      // unused when scoring; kept inside every limit
   return grpc::Status::OK;
 }
 

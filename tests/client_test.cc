@@ -34,7 +34,8 @@ TEST(ClientFlagsTest, OneFlagPerRequestField) {
   const std::map<std::string, std::string> sample = {
       {"--request_id", "abc"}, {"--prompt", "hello"}, {"--token_ids", "1,2,3"}, {"--max_new_tokens", "7"},
       {"--temperature", "0.5"}, {"--top_k", "9"}, {"--top_p", "0.75"}, {"--repetition_penalty", "1.25"},
-      {"--seed", "42"}, {"--stop", "END"}, {"--stop_token_id", "13"}, {"--logprobs", "2"}, {"--ignore_eos", ""}};
+      {"--seed", "42"}, {"--stop", "END"}, {"--stop_token_id", "13"}, {"--logprobs", "2"}, {"--ignore_eos", ""},
+      {"--n", "3"}, {"--prompt_logprobs", "2"}};
   for (const auto& f : client::RequestFlags()) {
     client::ClientOptions o;
     std::vector<std::string> args = {"generate", f.flag};
@@ -59,6 +60,45 @@ TEST(ClientFlagsTest, OneFlagPerRequestField) {
   EXPECT_FALSE(o.request.has_top_p()) << "unset flags leave fields unset (server defaults apply)";
 }
 
+// Every ScoreRequest field has a flag of the score command, and each flag sets its field.
+TEST(ClientFlagsTest, ScoreFlagsCoverTheScoreRequest) {
+  const auto* desc = v1::ScoreRequest::descriptor();
+  std::set<std::string> fields, flagged;
+  for (int i = 0; i < desc->field_count(); ++i) fields.insert(desc->field(i)->name());
+  for (const auto& f : client::ScoreFlags()) {
+    EXPECT_TRUE(fields.contains(f.field)) << f.flag << " names no field " << f.field;
+    flagged.insert(f.field);
+  }
+  EXPECT_EQ(flagged, fields);
+  const std::map<std::string, std::string> sample = {
+      {"--request_id", "abc"}, {"--context", "hello"}, {"--context_token_ids", "1,2"}, {"--continuation", "x"},
+      {"--continuation_token_ids", "3,4"}, {"--top_logprobs", "2"}};
+  for (const auto& f : client::ScoreFlags()) {
+    client::ClientOptions o;
+    std::vector<std::string> args = {"score", f.flag, sample.at(f.flag)};
+    if (std::string(f.field) != "continuations") args.insert(args.end(), {"--continuation", "y"});
+    ASSERT_EQ(client::ParseArgs(args, &o), "") << f.flag;
+    std::vector<const google::protobuf::FieldDescriptor*> set;
+    o.score.GetReflection()->ListFields(o.score, &set);
+    std::set<std::string> names;
+    for (const auto* fd : set) names.insert(fd->name());
+    EXPECT_TRUE(names.contains(f.field)) << f.flag;
+    EXPECT_LE(names.size(), 2u) << f.flag;
+  }
+  client::ClientOptions o;
+  ASSERT_EQ(client::ParseArgs({"score", "--continuation", "a", "--continuation_token_ids=5,6", "--continuation=b",
+                               "--top_logprobs", "3", "the", "context"},
+                              &o),
+            "");
+  EXPECT_EQ(o.score.text(), "the context");
+  ASSERT_EQ(o.score.continuations_size(), 3);
+  EXPECT_EQ(o.score.continuations(0).text(), "a");
+  EXPECT_THAT(o.score.continuations(1).token_ids().ids(), ::testing::ElementsAre(5, 6));
+  EXPECT_EQ(o.score.continuations(2).text(), "b");
+  EXPECT_EQ(o.score.top_logprobs(), 3);
+  EXPECT_FALSE(o.request.has_text()) << "score fills the ScoreRequest only";
+}
+
 TEST(ClientFlagsTest, UsageErrors) {
   client::ClientOptions o;
   EXPECT_THAT(client::ParseArgs({}, &o), HasSubstr("a command is required"));
@@ -67,6 +107,14 @@ TEST(ClientFlagsTest, UsageErrors) {
   EXPECT_THAT(client::ParseArgs({"generate", "--nope", "1"}, &o), HasSubstr("unknown flag --nope"));
   EXPECT_THAT(client::ParseArgs({"generate", "--prompt", "a", "b"}, &o), HasSubstr("give the prompt once"));
   EXPECT_THAT(client::ParseArgs({"generate", "--seed"}, &o), HasSubstr("--seed needs a value"));
+  EXPECT_THAT(client::ParseArgs({"score", "--context", "a"}, &o), HasSubstr("score needs at least one --continuation"));
+  EXPECT_THAT(client::ParseArgs({"score", "--continuation", "a", "--temperature", "0"}, &o),
+              HasSubstr("unknown flag --temperature for score"));
+  EXPECT_THAT(client::ParseArgs({"score", "--continuation", "a", "--stream"}, &o),
+              HasSubstr("--stream does not apply to score"));
+  EXPECT_THAT(client::ParseArgs({"score", "--continuation_token_ids", "1,x"}, &o),
+              HasSubstr("--continuation_token_ids 1,x: expected comma-separated integers"));
+  EXPECT_THAT(client::ParseArgs({"generate", "--n", "two"}, &o), HasSubstr("--n two: expected an integer"));
 }
 
 struct ClientRun {
@@ -233,6 +281,61 @@ TEST_F(ClientBinaryTest, PromptFromStdinJsonAndInfo) {
   const ClientRun info = RunClient({"info", "--server", server_->address()});
   ASSERT_EQ(info.exit_code, 0) << info.err;
   EXPECT_THAT(info.out, HasSubstr("model engine-server: skew relative attention, 4 layers, d_model 256"));
+}
+
+// score prints each continuation's tokens and sum; --json the ScoreResponse. generate --n prints
+// every sample, sample i being what --seed s + i alone gives.
+TEST_F(ClientBinaryTest, ScoreAndSamples) {
+  ClientRun r = RunClient({"score", "--server", server_->address(), "--context", "Once upon", "--continuation", " a time",
+                           "--continuation", "!", "--top_logprobs", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("continuation 0 ' a time': sum -"));
+  EXPECT_THAT(r.out, HasSubstr("over 7 tokens"));
+  EXPECT_THAT(r.out, HasSubstr("continuation 1 '!': sum -"));
+  EXPECT_THAT(r.out, HasSubstr("  token 6: id 101"));  // 'e'
+  const ClientRun j = RunClient({"score", "--server", server_->address(), "--json", "--continuation", " a time",
+                                 "--continuation", "!"},
+                                "Once upon");
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  const nlohmann::json score = nlohmann::json::parse(j.out);
+  ASSERT_EQ(score["scores"].size(), 2u);
+  double sum = 0;
+  for (const auto& t : score["scores"][0]["logprobs"]) sum += t["logprob"].get<double>();
+  EXPECT_NEAR(score["scores"][0]["sum_logprob"].get<double>(), sum, 1e-6);
+  EXPECT_EQ(score["usage"]["prompt_tokens"], 10);  // BOS + "Once upon"
+  EXPECT_EQ(score["usage"]["continuation_tokens"], 8);
+  r = RunClient({"score", "--server", server_->address(), "--context", "x", "--continuation", ""});
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.err, HasSubstr("continuations: continuations[0] is empty"));
+
+  const std::vector<std::string> gen = {"generate", "--server", server_->address(), "--json", "--max_new_tokens", "12",
+                                        "--ignore_eos", "--temperature", "1", "--prompt", "Once"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = gen;
+    args.insert(args.end(), extra.begin(), extra.end());
+    const ClientRun run = RunClient(args);
+    EXPECT_EQ(run.exit_code, 0) << run.err;
+    return nlohmann::json::parse(run.out);
+  };
+  const nlohmann::json samples = with({"--n", "3", "--seed", "11"});
+  ASSERT_EQ(samples["samples"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    const nlohmann::json alone = with({"--seed", std::to_string(11 + i)});
+    EXPECT_EQ(samples["samples"][i]["token_ids"], alone["token_ids"]) << "sample " << i;
+  }
+  r = RunClient({"generate", "--server", server_->address(), "--max_new_tokens", "4", "--n", "2", "--prompt", "x"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("--- sample 0 ("));
+  EXPECT_THAT(r.out, HasSubstr("--- sample 1 ("));
+  r = RunClient({"generate", "--server", server_->address(), "--max_new_tokens", "4", "--n", "2", "--stream",
+                 "--prompt_logprobs", "1", "--prompt", "xyz"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("prompt log-probabilities"));
+  EXPECT_THAT(r.out, HasSubstr("  prompt 3: id 122"));  // 'z', after BOS x y
+  EXPECT_THAT(r.err, HasSubstr("[sample 1 "));
+  r = RunClient({"generate", "--server", server_->address(), "--n", "0", "--prompt", "x"});
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.err, HasSubstr("n: 0 samples; allowed 1..16"));
 }
 
 // relgen-bench serve against the live server: open loop at two rates, then closed loop.

@@ -169,6 +169,25 @@ class ObservabilityTest(unittest.TestCase):
                 for name in re.findall(r"\b((?:relgen|process)_[a-z0-9_]+)", t["expr"]):
                     self.assertIn(name, exported, f"{p['title']}: {name}")
 
+    def test_prefix_cache_counters_and_hit_ratio(self):
+        """Two requests with the same long prompt: the second finds the first's blocks in the prefix
+        cache; the counters are scraped and the dashboard's hit ratio over them is in (0, 1]."""
+        self.assertEqual(wait_for_data(self.prom_port, ["relgen_prefix_cache_hits_total",
+                                                        "relgen_prefix_cache_queries_total",
+                                                        'relgen_kv_cache_blocks{state="cached"}']), [])
+        before = float(self.query("relgen_prefix_cache_hits_total")[0]["value"][1])
+        prompt = "A prompt long enough to fill several blocks of the KV cache, sent twice. " * 3  # 220 bytes
+        for _ in range(2):
+            subprocess.run([os.environ["RELGEN_CLIENT_BIN"], "generate", "--server", self.grpc, "--max_new_tokens", "2",
+                            "--temperature", "0", "--prompt", prompt], check=True, capture_output=True, timeout=30)
+        self.assertEqual(wait_for_data(self.prom_port, [f"relgen_prefix_cache_hits_total > {before}"]), [])
+        [ratio] = [t["expr"] for p in dashboard()["panels"] if p["title"] == "Prefix cache hit ratio" for t in p["targets"]]
+        ratio = ratio.replace("$__rate_interval", "5m")  # wide enough to hold the hits whenever this runs
+        self.assertEqual(wait_for_data(self.prom_port, [ratio + " > 0"]), [], ratio)
+        value = float(self.query(ratio)[0]["value"][1])
+        self.assertGreater(value, 0.0)
+        self.assertLessEqual(value, 1.0)
+
     def test_operations_doc_lists_every_panel(self):
         doc = open(os.path.join(SOURCE, "docs", "operations.md")).read()
         for p in dashboard()["panels"]:

@@ -64,6 +64,59 @@ class PythonClientTest(unittest.TestCase):
             Client("127.0.0.1:1", timeout=3).generate("x")
         self.assertEqual(e.exception.code, "UNAVAILABLE")
 
+    def test_samples_match_their_seeds(self):
+        with Client(self.address, timeout=30) as c:
+            done = c.generate([10, 20, 30], max_new_tokens=12, temperature=1.0, seed=21, ignore_eos=True, n=3)
+            self.assertEqual([s.index for s in done.samples], [0, 1, 2])
+            self.assertEqual(done.generated_tokens, 36)
+            self.assertEqual(done.token_ids, done.samples[0].token_ids)
+            for s in done.samples:
+                alone = c.generate([10, 20, 30], max_new_tokens=12, temperature=1.0, seed=21 + s.index, ignore_eos=True)
+                self.assertEqual(s.token_ids, alone.token_ids, s.index)
+                self.assertEqual(s.text, alone.text, s.index)
+                self.assertEqual(s.finish_reason, "length")
+                self.assertEqual(len(alone.samples), 1)
+                self.assertEqual(alone.samples[0].token_ids, alone.token_ids)
+            chunks = list(c.stream([10, 20, 30], max_new_tokens=12, temperature=1.0, seed=21, ignore_eos=True, n=3))
+            for s in done.samples:
+                mine = [ch for ch in chunks if ch.sample_index == s.index]
+                self.assertEqual([t for ch in mine for t in ch.token_ids], s.token_ids)
+                self.assertEqual([ch.finish_reason for ch in mine if ch.finish_reason], ["length"])
+                self.assertEqual(mine[-1].finish_reason, "length")
+
+    def test_score_equals_prompt_logprobs(self):
+        with Client(self.address, timeout=30) as c:
+            context, continuations = [10, 20, 30, 40], [[50, 60, 70], [7]]
+            result = c.score(context, continuations, top_logprobs=2)
+            self.assertEqual(result.prompt_tokens, 4)
+            self.assertEqual(result.continuation_tokens, 4)
+            for cont, scored in zip(continuations, result.scores):
+                self.assertEqual(scored.token_ids, cont)
+                done = c.generate(context + cont, max_new_tokens=1, prompt_logprobs=2)
+                self.assertEqual(len(done.prompt_logprobs), len(context) + len(cont) - 1)
+                want = done.prompt_logprobs[len(context) - 1:]
+                self.assertEqual([t.token_id for t in scored.logprobs], cont)
+                for got, ref in zip(scored.logprobs, want):
+                    self.assertEqual(got.token_id, ref.token_id)
+                    self.assertAlmostEqual(got.logprob, ref.logprob, delta=1e-5)
+                    self.assertEqual([a.token_id for a in got.top], [a.token_id for a in ref.top])
+                self.assertAlmostEqual(scored.sum_logprob, sum(t.logprob for t in scored.logprobs), delta=1e-9)
+            text = c.score("Hello", [" world"])
+            self.assertEqual(text.prompt_tokens, 6)  # BOS + 5 bytes
+            self.assertEqual(text.scores[0].token_ids, list(b" world"))
+
+    def test_new_fields_are_validated(self):
+        with Client(self.address) as c:
+            for call, field in ((lambda: c.generate("x", n=17), "n: 17"),
+                                (lambda: c.generate("x", prompt_logprobs=21), "prompt_logprobs: 21"),
+                                (lambda: c.score("x", [""]), "continuations: continuations[0] is empty"),
+                                (lambda: c.score("x", ["a"] * 65), "continuations: 65 continuations"),
+                                (lambda: c.score("x", ["a"], top_logprobs=21), "top_logprobs: 21")):
+                with self.assertRaises(RelgenError) as e:
+                    call()
+                self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+                self.assertIn(field, e.exception.details)
+
     def test_info(self):
         with Client(self.address) as c:
             info = c.info()

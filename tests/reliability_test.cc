@@ -65,7 +65,9 @@ TEST(FaultTest, KvExhaustionPreemptsAndKeepsEveryOutput) {
   EXPECT_GT(Metric(m, "relgen_preemptions_total"), 0) << "the cache should have run out";
   EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"length\"}"), 12);
   EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
-  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"free\"}"), 32);
+  // Finished prompts' full blocks may stay cached (prefix caching): free again on demand.
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"free\"}") + Metric(m, "relgen_kv_cache_blocks{state=\"cached\"}"),
+            32);
 }
 
 // ------------------------------------------------------------------ malformed and oversized

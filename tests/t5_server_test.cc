@@ -4,6 +4,8 @@
 // SentencePiece cannot share a process with gRPC (engine/tokenizers/sentencepiece_wrapper.cc).
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -59,6 +61,93 @@ TEST(T5ServerTest, ServesACheckpointDirectoryAsItIs) {
     EXPECT_EQ(m.at("relgen_prompt_tokens_total"), static_cast<double>(c["text_ids"].size()));
     EXPECT_EQ(m.at("relgen_encoder_tokens_total"), static_cast<double>(c["text_ids"].size()));
     EXPECT_EQ(m.at("relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  }
+}
+
+// Score on an encoder-decoder model: the context is the encoder's input, each continuation the
+// decoder's output. Against transformers' decoder logits before each of its greedy tokens, and
+// against the logprobs Generate reports for the same greedy tokens. prompt_logprobs has nothing to
+// score there: INVALID_ARGUMENT naming it.
+TEST(T5ServerTest, ScoreMatchesTransformersAndPromptLogprobsIsRefused) {
+  if (testing::T5Cases().empty()) GTEST_SKIP() << "no T5 fixture";
+  for (const auto& c : testing::T5Cases()) {
+    if (c["name"] != "t5-v1_1") continue;
+    testing::ServerProcess server;
+    std::string error;
+    ASSERT_TRUE(server.Start({"--model", c["dir"].get<std::string>()}, &error)) << error;
+    auto stub = v1::GenerationService::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+    {
+      grpc::ClientContext ctx;
+      v1::GenerateRequest req;
+      req.set_text(c["text"].get<std::string>());
+      req.set_prompt_logprobs(0);
+      v1::GenerateResponse resp;
+      const grpc::Status s = stub->Generate(&ctx, req, &resp);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_THAT(s.error_message(), HasSubstr("prompt_logprobs: the model is encoder-decoder"));
+    }
+    {
+      // The decoder's context holds its start token and the continuation.
+      grpc::ClientContext ictx, ctx;
+      v1::ModelInfo info;
+      ASSERT_TRUE(stub->GetModelInfo(&ictx, v1::GetModelInfoRequest(), &info).ok());
+      v1::ScoreRequest req;
+      req.set_text(c["text"].get<std::string>());
+      auto* ids = req.add_continuations()->mutable_token_ids();
+      for (int i = 0; i < info.max_seq_len(); ++i) ids->add_ids(5);
+      v1::ScoreResponse resp;
+      const grpc::Status s = stub->Score(&ctx, req, &resp);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_THAT(s.error_message(),
+                  HasSubstr("continuations: continuations[0] is " + std::to_string(info.max_seq_len()) +
+                            " tokens; the model's decoder takes at most " + std::to_string(info.max_seq_len() - 1)));
+    }
+    const std::vector<testing::T5Input> inputs = testing::ReadT5Reference(c);
+    ASSERT_FALSE(inputs.empty());
+    v1::ScoreRequest score;  // every input's greedy output, each scored after its own input
+    for (const testing::T5Input& in : inputs) {
+      score.Clear();
+      for (int32_t t : in.input) score.mutable_token_ids()->add_ids(t);
+      auto* cont = score.add_continuations()->mutable_token_ids();
+      for (int32_t t : in.greedy) cont->add_ids(t);
+      score.add_continuations()->mutable_token_ids()->add_ids(in.greedy[0]);
+      grpc::ClientContext ctx;
+      v1::ScoreResponse resp;
+      const grpc::Status s = stub->Score(&ctx, score, &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      ASSERT_EQ(resp.scores_size(), 2);
+      const int m = static_cast<int>(in.greedy.size());
+      const int vocab = static_cast<int>(in.logits.size() / m);
+      ASSERT_EQ(resp.scores(0).logprobs_size(), m);
+      // The same tokens generated greedily, with their logprobs.
+      grpc::ClientContext gctx;
+      v1::GenerateRequest gen;
+      for (int32_t t : in.input) gen.mutable_token_ids()->add_ids(t);
+      gen.set_temperature(0);
+      gen.set_max_new_tokens(m);
+      gen.set_ignore_eos(true);
+      gen.set_logprobs(0);
+      v1::GenerateResponse g;
+      ASSERT_TRUE(stub->Generate(&gctx, gen, &g).ok());
+      ASSERT_EQ(std::vector<int32_t>(g.token_ids().begin(), g.token_ids().end()), in.greedy);
+      double sum = 0;
+      for (int j = 0; j < m; ++j) {
+        const double* row = in.logits.data() + static_cast<size_t>(j) * vocab;
+        const double mx = *std::max_element(row, row + vocab);
+        double z = 0;
+        for (int v = 0; v < vocab; ++v) z += std::exp(row[v] - mx);
+        const double want = row[in.greedy[j]] - mx - std::log(z);
+        const v1::TokenInfo& got = resp.scores(0).logprobs(j);
+        EXPECT_EQ(got.token_id(), in.greedy[j]);
+        EXPECT_NEAR(got.logprob(), want, 1e-3) << "token " << j;
+        EXPECT_NEAR(got.logprob(), g.logprobs(j).logprob(), 1e-5) << "token " << j;
+        sum += got.logprob();
+      }
+      EXPECT_NEAR(resp.scores(0).sum_logprob(), sum, 1e-9 * (1 + std::abs(sum)));
+      EXPECT_NEAR(resp.scores(1).logprobs(0).logprob(), resp.scores(0).logprobs(0).logprob(), 1e-5);
+      EXPECT_EQ(resp.usage().prompt_tokens(), static_cast<int>(in.input.size()));
+      EXPECT_EQ(resp.usage().continuation_tokens(), m + 1);
+    }
   }
 }
 

@@ -1,5 +1,6 @@
-// Request validation of arbitrary bytes read as a GenerateRequest: either INVALID_ARGUMENT naming
-// the field ("field: what; allowed ..."), or an engine request inside every limit.
+// Request validation of arbitrary bytes read as a GenerateRequest and as a ScoreRequest: either
+// INVALID_ARGUMENT naming the field ("field: what; allowed ..."), or an engine request inside every
+// limit.
 #include <cstddef>
 #include <cstdint>
 
@@ -18,6 +19,27 @@ relgen::ModelConfig Config() {
   return c;
 }
 
+void CheckScore(const relgen::v1::ScoreRequest& req, const relgen::ModelConfig& config, const relgen::Tokenizer& tokenizer,
+                const relgen::server::Options& options) {
+  relgen::Request out;
+  const grpc::Status s = relgen::server::ToEngineRequest(req, config, tokenizer, options, &out);
+  if (!s.ok()) {
+    FUZZ_CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    FUZZ_CHECK(s.error_message().find(": ") != std::string::npos);
+    return;
+  }
+  const int n = static_cast<int>(out.prompt.size());
+  FUZZ_CHECK(n >= 1 && n < config.max_seq_len);
+  for (int32_t t : out.prompt) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
+  FUZZ_CHECK(!out.continuations.empty() && out.continuations.size() <= static_cast<size_t>(relgen::kMaxContinuations));
+  for (const auto& c : out.continuations) {
+    FUZZ_CHECK(!c.empty() && n + static_cast<int>(c.size()) <= config.max_seq_len);
+    for (int32_t t : c) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
+  }
+  FUZZ_CHECK(out.sampling.logprobs >= 0 && out.sampling.logprobs <= relgen::server::kMaxLogprobs);
+  FUZZ_CHECK(out.id.size() <= static_cast<size_t>(relgen::server::kMaxRequestIdBytes));
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -30,6 +52,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     o.max_prompt_bytes = 48;
     return o;
   }();
+  relgen::v1::ScoreRequest score;
+  if (score.ParseFromArray(data, static_cast<int>(size))) CheckScore(score, config, *tokenizer, options);
   relgen::v1::GenerateRequest req;
   if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
   relgen::Request out;
@@ -61,5 +85,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(out.stop.stop_token_ids.size() <= static_cast<size_t>(relgen::server::kMaxStopTokenIds));
   for (int32_t t : out.stop.stop_token_ids) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
   FUZZ_CHECK(out.id.size() <= static_cast<size_t>(relgen::server::kMaxRequestIdBytes));
+  FUZZ_CHECK(out.n >= 1 && out.n <= relgen::kMaxSamples);
+  FUZZ_CHECK(out.prompt_logprobs >= -1 && out.prompt_logprobs <= relgen::kMaxPromptLogprobs);
+  FUZZ_CHECK(out.continuations.empty());
   return 0;
 }

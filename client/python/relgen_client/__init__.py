@@ -1,4 +1,4 @@
-"""A small typed wrapper over relgen.v1.GenerationService (unary and streaming)."""
+"""A small typed wrapper over relgen.v1.GenerationService (unary, streaming and scoring)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +9,8 @@ import grpc
 from relgen.v1 import generation_pb2 as pb
 from relgen.v1 import generation_pb2_grpc as pb_grpc
 
-__all__ = ["Client", "Completion", "Chunk", "TokenLogprob", "RelgenError"]
+__all__ = ["Client", "Completion", "Sample", "Chunk", "TokenLogprob", "ScoreResult", "ContinuationScore",
+           "RelgenError"]
 
 _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
 
@@ -32,7 +33,20 @@ class TokenLogprob:
 
 
 @dataclass
+class Sample:
+    """One of a request's n samples (drawn with the request's seed + index)."""
+    index: int
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    generated_tokens: int
+    logprobs: List[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
 class Completion:
+    """The whole answer. text, token_ids, finish_reason and logprobs are sample 0's; `samples` holds
+    every sample (one when n is 1); generated_tokens counts all samples'."""
     request_id: str
     text: str
     token_ids: List[int]
@@ -42,11 +56,15 @@ class Completion:
     time_to_first_token_s: float
     total_s: float
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    samples: List[Sample] = field(default_factory=list)
+    # With prompt_logprobs: one per prompt token from the second on (token_id is the prompt's).
+    prompt_logprobs: List[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
 class Chunk:
-    """Part of a stream; the last one has finish_reason set and the usage and timing filled."""
+    """Part of a stream, of sample `sample_index`; each sample's last chunk has finish_reason set and
+    that sample's usage and timing filled. With prompt_logprobs, sample 0's first chunk carries them."""
     text: str
     token_ids: List[int]
     finish_reason: Optional[str] = None
@@ -55,6 +73,26 @@ class Chunk:
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    sample_index: int = 0
+    prompt_logprobs: List[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class ContinuationScore:
+    """A scored continuation: each token's log-probability after the context and the tokens before
+    it, and their sum."""
+    token_ids: List[int]
+    logprobs: List[TokenLogprob]
+    sum_logprob: float
+
+
+@dataclass
+class ScoreResult:
+    request_id: str
+    scores: List[ContinuationScore]  # in the order the continuations were given
+    prompt_tokens: int  # the context's
+    continuation_tokens: int
+    total_s: float
 
 
 def _logprobs(infos) -> List[TokenLogprob]:
@@ -87,7 +125,8 @@ class Client:
     @staticmethod
     def _request(prompt: Union[str, Sequence[int]], *, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
                  repetition_penalty=None, seed=None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 logprobs=None, ignore_eos: bool = False, request_id: str = "") -> pb.GenerateRequest:
+                 logprobs=None, ignore_eos: bool = False, request_id: str = "", n=None,
+                 prompt_logprobs=None) -> pb.GenerateRequest:
         r = pb.GenerateRequest(request_id=request_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                ignore_eos=ignore_eos)
         if isinstance(prompt, str):
@@ -96,27 +135,63 @@ class Client:
             r.token_ids.ids.extend(int(t) for t in prompt)
         for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
                             ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
-                            ("logprobs", logprobs)):
+                            ("logprobs", logprobs), ("n", n), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 setattr(r, name, value)
         return r
 
     def generate(self, prompt: Union[str, Sequence[int]], *, timeout: Optional[float] = None, **params) -> Completion:
-        """Generates the whole continuation. `params` are the GenerateRequest fields."""
+        """Generates the whole continuation. `params` are the GenerateRequest fields, among them
+        `n` (samples, 1..16) and `prompt_logprobs` (k, 0..20)."""
         try:
             resp = self._stub.Generate(self._request(prompt, **params), timeout=timeout or self._timeout)
         except grpc.RpcError as e:
             raise RelgenError(e.code().name, e.details()) from None
-        return Completion(resp.request_id, resp.text, list(resp.token_ids), _FINISH.get(resp.finish_reason, "unspecified"),
-                          resp.usage.prompt_tokens, resp.usage.generated_tokens,
-                          resp.timing.time_to_first_token_seconds, resp.timing.total_seconds, _logprobs(resp.logprobs))
+        finish = _FINISH.get(resp.finish_reason, "unspecified")
+        if resp.samples:
+            samples = [Sample(s.index, s.text, list(s.token_ids), _FINISH.get(s.finish_reason, "unspecified"),
+                              s.generated_tokens, _logprobs(s.logprobs)) for s in resp.samples]
+        else:  # n = 1: the server sends the one sample in the top-level fields only
+            samples = [Sample(0, resp.text, list(resp.token_ids), finish, resp.usage.generated_tokens,
+                              _logprobs(resp.logprobs))]
+        return Completion(resp.request_id, resp.text, list(resp.token_ids), finish, resp.usage.prompt_tokens,
+                          resp.usage.generated_tokens, resp.timing.time_to_first_token_seconds,
+                          resp.timing.total_seconds, _logprobs(resp.logprobs), samples,
+                          _logprobs(resp.prompt_logprobs))
+
+    def score(self, context: Union[str, Sequence[int]], continuations: Sequence[Union[str, Sequence[int]]], *,
+              top_logprobs: Optional[int] = None, request_id: str = "",
+              timeout: Optional[float] = None) -> ScoreResult:
+        """Log-probabilities of each continuation (text or token ids; 1..64, each non-empty) after the
+        context (text or token ids), with `top_logprobs` alternatives per token."""
+        r = pb.ScoreRequest(request_id=request_id)
+        if isinstance(context, str):
+            r.text = context
+        else:
+            r.token_ids.ids.extend(int(t) for t in context)
+        for c in continuations:
+            if isinstance(c, str):
+                r.continuations.add(text=c)
+            else:
+                r.continuations.add().token_ids.ids.extend(int(t) for t in c)
+        if top_logprobs is not None:
+            r.top_logprobs = top_logprobs
+        try:
+            resp = self._stub.Score(r, timeout=timeout or self._timeout)
+        except grpc.RpcError as e:
+            raise RelgenError(e.code().name, e.details()) from None
+        return ScoreResult(resp.request_id,
+                           [ContinuationScore(list(s.token_ids), _logprobs(s.logprobs), s.sum_logprob) for s in resp.scores],
+                           resp.usage.prompt_tokens, resp.usage.continuation_tokens, resp.timing.total_seconds)
 
     def stream(self, prompt: Union[str, Sequence[int]], *, timeout: Optional[float] = None, **params) -> Iterator[Chunk]:
-        """Yields the continuation as it is generated; closing the iterator cancels the request."""
+        """Yields the continuation as it is generated; closing the iterator cancels the request. With
+        n > 1 the samples' chunks interleave (Chunk.sample_index); the stream ends once all finished."""
         call = self._stub.GenerateStream(self._request(prompt, **params), timeout=timeout or self._timeout)
         try:
             for m in call:
-                c = Chunk(m.text_delta, list(m.token_ids), logprobs=_logprobs(m.logprobs))
+                c = Chunk(m.text_delta, list(m.token_ids), logprobs=_logprobs(m.logprobs), sample_index=m.sample_index,
+                          prompt_logprobs=_logprobs(m.prompt_logprobs))
                 if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     c.finish_reason = _FINISH.get(m.finish_reason, "unspecified")
                     c.prompt_tokens, c.generated_tokens = m.usage.prompt_tokens, m.usage.generated_tokens
