@@ -61,14 +61,6 @@ T* Upload(const std::vector<T>& v) {
   return d;
 }
 
-// n floats back from the device, which are then freed.
-std::vector<float> TakeBack(float* d, size_t n) {
-  std::vector<float> h(n);
-  EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-  cudaFree(d);
-  return h;
-}
-
 struct AttnCase {
   relpos::Scheme scheme;
   int param;  // skew M / shaw k
@@ -284,15 +276,6 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{relpos::Scheme::kShaw, 6, 0, true, 45, 5, 20}, AttnCase{relpos::Scheme::kSkew, 30, 0, false, 40, 3, 7}));
 #endif
 
-std::vector<std::string> Cases() {
-  const std::string dir = testing::GoldenDir();
-  if (dir.empty()) return {};
-  std::vector<std::string> out;
-  const nlohmann::json manifest = testing::ReadJson(dir + "/manifest.json");
-  for (const auto& c : manifest["cases"]) out.push_back(c);
-  return out;
-}
-
 // A golden case's first `len` tokens and their float64 logits [len, vocab].
 struct Golden {
   std::vector<int32_t> tokens;
@@ -453,7 +436,7 @@ TEST_P(CudaParityTest, Bf16WeightsMatchCpuTwin) {
   EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0) << GetParam();
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, CudaParityTest, ::testing::ValuesIn(Cases()), [](const auto& i) { return i.param; });
+INSTANTIATE_TEST_SUITE_P(Golden, CudaParityTest, ::testing::ValuesIn(testing::GoldenCases()), [](const auto& i) { return i.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaParityTest);
 
 // Hugging Face BLOOM and MPT checkpoints (embedding norm, fused QKV split at load, ALiBi slopes of
@@ -857,7 +840,10 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
         float* dy = Upload(std::vector<float>(y0.begin() + size_t(first) * out, y0.begin() + size_t(first + n) * out));
         EXPECT_EQ(cuda::Linear(dx + size_t(first) * in, n, in, dw, out, e.bias, e.act, e.residual, e.alpha, dy, nullptr),
                   cudaSuccess);
-        return TakeBack(dy, size_t(n) * out);
+        std::vector<float> h(size_t(n) * out);
+        EXPECT_EQ(cudaMemcpy(h.data(), dy, h.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+        cudaFree(dy);
+        return h;
       };
       const std::vector<float> all = run(0, rows);
       for (int r = 0; r < rows; ++r) {

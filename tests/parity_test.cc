@@ -19,15 +19,6 @@ constexpr double kRtol = 1e-4;  // float32 engine vs float64 reference
 constexpr int kBlockSize = 16;
 constexpr int kBlocks = 64;
 
-std::vector<std::string> Cases() {
-  const std::string dir = testing::GoldenDir();
-  if (dir.empty()) return {};
-  std::vector<std::string> cases;
-  const nlohmann::json manifest = testing::ReadJson(dir + "/manifest.json");
-  for (const auto& c : manifest["cases"]) cases.push_back(c);
-  return cases;
-}
-
 class ParityTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -171,13 +162,13 @@ TEST_P(ParityTest, MixedBatchMatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, ParityTest, ::testing::ValuesIn(Cases()),
+INSTANTIATE_TEST_SUITE_P(Golden, ParityTest, ::testing::ValuesIn(testing::GoldenCases()),
                          [](const auto& info) { return info.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ParityTest);
 
 TEST(ParityManifest, GoldenFilesArePresent) {
   ASSERT_FALSE(testing::GoldenDir().empty()) << "RELGEN_GOLDEN_DIR is not set";
-  EXPECT_GE(Cases().size(), 16u);
+  EXPECT_GE(testing::GoldenCases().size(), 16u);
 }
 
 }  // namespace

@@ -34,6 +34,16 @@ inline nlohmann::json ReadJson(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
+// The golden cases' names (one per relative scheme and variant); empty where the fixture did not run.
+inline std::vector<std::string> GoldenCases() {
+  const std::string dir = GoldenDir();
+  if (dir.empty()) return {};
+  std::vector<std::string> cases;
+  const nlohmann::json manifest = ReadJson(dir + "/manifest.json");
+  for (const auto& c : manifest["cases"]) cases.push_back(c);
+  return cases;
+}
+
 inline void WriteFile(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

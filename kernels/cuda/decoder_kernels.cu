@@ -16,7 +16,6 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-
 __device__ __forceinline__ float Act(int act, float v) {
   switch (act) {
     case 0: return v > 0.f ? v : 0.f;
@@ -225,7 +224,6 @@ __global__ void AddKernel(float* y, const float* x, int64_t n) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i < n) y[i] += x[i];
 }
-
 
 template <typename T>
 __global__ void WriteKvKernel(KvPool kv, Rows rows, const float* k, const float* v) {
@@ -861,8 +859,8 @@ cudaError_t LaunchAttention(const float* q, const Rows& rows, int max_keys, floa
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
-  RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, CombinePadded(splits) * sizeof(float), s)(workspace, splits, kv.n_heads,
-                                                                                       kv.head_dim, out);
+  RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, CombinePadded(splits) * sizeof(float), s)(
+      workspace, splits, kv.n_heads, kv.head_dim, out);
   return cudaGetLastError();
 }
 

@@ -85,6 +85,7 @@ double GemmFlops(cpu::ThreadPool& pool) {
 struct Result {
   bool ok = false;
   double prefill_tps = 0, batch_prefill_tps = 0, decode_tps = 0;
+  std::string device;  // the backend's device, as it names itself
 };
 
 Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
@@ -117,13 +118,8 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
       return r;
     }
     backend = *std::move(made);
-    static bool named = false;
-    if (!named) {
-      named = true;
-      std::printf("backend: %s (%s projections, %d keys per attention split)\n", backend->device().c_str(),
-                  cuda_gemm.c_str(), split_keys);
-    }
   }
+  r.device = backend->device();
   std::vector<std::vector<int32_t>> tables(batch);
   for (int b = 0; b < batch; ++b) {
     for (int i = 0; i < per_seq; ++i) tables[b].push_back(b * per_seq + i);
@@ -302,6 +298,10 @@ int RunEngineBench(const EngineBenchOptions& o) {
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
+      }
+      if (rep == 0 && &c == &cells.front() && o.device != "cpu") {
+        std::printf("backend: %s (%s projections, %d keys per attention split)\n", r.device.c_str(),
+                    o.cuda_gemm.c_str(), o.cuda_split_keys);
       }
       c.pre.push_back(r.prefill_tps);
       c.bpre.push_back(r.batch_prefill_tps);
