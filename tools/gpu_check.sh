@@ -50,8 +50,8 @@ pack() {
 }
 
 # stage NAME LIMIT_S COMMAND...: runs with a time limit, logs to OUT/NAME.log, records the status.
-# GPU_CHECK_STAGES picks among test, sanitize, bench, profile (default: all).
-want() { [[ ",${GPU_CHECK_STAGES:-test,sanitize,bench,profile}," == *",$1,"* ]]; }
+# GPU_CHECK_STAGES picks among test, sanitize, bench, profile, shapes (default: all).
+want() { [[ ",${GPU_CHECK_STAGES:-test,sanitize,bench,profile,shapes}," == *",$1,"* ]]; }
 
 # Stages run in order of importance; one whose limit would pass GPU_CHECK_BUDGET (seconds since
 # the start, default 420) gets what is left, and none starts with under 20 s left.
@@ -166,11 +166,41 @@ run() {
         --log-file "$OUT/ncu_batch$b.csv" "${bench[@]}" --batches "$b" --contexts 512 --steps 3 --reps 1 --peer none
     done
   fi
+  # The sizes users serve: bloom-560m, flan-t5-base and mpt-7b shapes made here by transformers from
+  # their configs (random bf16 weights), relgen's bf16 weights and K/V beside transformers' generate
+  # on the same GPU. GPU_CHECK_SHAPES picks some; a shape's batches come from GPU_CHECK_BATCHES_<name>.
+  if want shapes; then
+    local shape dir batches
+    for shape in ${GPU_CHECK_SHAPES:-bloom-560m flan-t5-base mpt-7b}; do
+      dir=/tmp/shapes/$shape
+      stage "make_$shape" 200 "$py" "$src/tools/bench/hf_peer.py" make --config "$src/tools/bench/shapes/$shape.json" \
+        --out "$dir" --dtype bf16 || continue
+      # relgen loads a checkpoint with its tokenizer; the bench feeds ids, so a test fixture's will do.
+      case "$shape" in
+        bloom*) cp "$build/hf_checkpoints/bloom-h3/tokenizer.json" "$dir/" ;;
+        mpt*) cp "$build/hf_checkpoints/mpt-h3/tokenizer.json" "$dir/" ;;
+        *t5*) cp "$build/t5_checkpoints/t5-v1_1/spiece.model" "$dir/" ;;
+      esac
+      batches=1,8,64
+      stage "relgen_$shape" 240 "$root/bin/relgen-bench" engine --device cuda --model "$dir" "${gb[@]}" \
+        --batches "$batches" --contexts 512 --steps 8 --reps 1 --peer none --weights_dtype bf16 --kv_cache_dtype bf16 \
+        --batch_prefill 0 --json "$OUT/relgen_$shape.json"
+      stage "hf_$shape" 200 "$py" "$src/tools/bench/hf_peer.py" bench --model "$dir" --batches "$batches" \
+        --context 512 --steps 16 --reps 2 --json "$OUT/hf_$shape.json"
+      rm -rf "$dir"
+    done
+  fi
   for f in bench_f32_torch bench_bf16 bench_cublas; do
     [ -f "$OUT/$f.log" ] || continue
     echo "---- $f"
     sed -n '/^tokens\/s/,/^$/p' "$OUT/$f.log"
   done
+  for f in "$OUT"/relgen_*.log; do
+    [ -f "$f" ] || continue
+    echo "---- $(basename "$f" .log)"
+    sed -n '/^model /p;/^tokens\/s/,/^$/p' "$f"
+  done
+  for f in "$OUT"/hf_*.log; do [ -f "$f" ] && { echo "---- $(basename "$f" .log)"; cat "$f"; }; done
   echo "---- summary"
   cat "$OUT/summary.txt"
   # Everything in one archive beside the summary (some harnesses fetch only a few files).

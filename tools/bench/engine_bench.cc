@@ -88,11 +88,15 @@ struct Result {
   std::string device;  // the backend's device, as it names itself
 };
 
+// Encoder-decoder models: `context` is the encoder's input; the decoder starts from its start token
+// and decodes `steps` tokens against it (its own context is short), as a translation does.
 Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
                  cpu::WeightType weights, cpu::KvType kv_type, const std::string& device,
-                 const std::string& cuda_gemm, int split_keys) {
+                 const std::string& cuda_gemm, int split_keys, bool batch_prefill) {
   const int bs = 16;
-  const int per_seq = BlocksForTokens(context + steps + 1, bs);
+  const bool enc_dec = model->config().encoder_decoder;
+  const int cross_per_seq = enc_dec ? BlocksForTokens(context, bs) : 0;
+  const int per_seq = BlocksForTokens((enc_dec ? 1 : context) + steps + 1, bs) + cross_per_seq;
   Result r;
   std::unique_ptr<Backend> backend;
   if (device == "cpu") {
@@ -110,7 +114,7 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
     o.kv_cache_dtype = cpu::KvTypeName(kv_type);
     o.cuda_gemm = cuda_gemm;
     o.cuda_split_keys = split_keys;
-    o.max_step_tokens = batch * context;
+    o.max_step_tokens = (batch_prefill ? batch : 1) * (enc_dec ? 1 : context);
     o.max_step_seqs = batch;
     auto made = NewBackend(model, o);
     if (!made.ok()) {
@@ -120,36 +124,59 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
     backend = *std::move(made);
   }
   r.device = backend->device();
-  std::vector<std::vector<int32_t>> tables(batch);
+  std::vector<std::vector<int32_t>> tables(batch), cross(batch);
   for (int b = 0; b < batch; ++b) {
-    for (int i = 0; i < per_seq; ++i) tables[b].push_back(b * per_seq + i);
+    for (int i = 0; i < per_seq - cross_per_seq; ++i) tables[b].push_back(b * per_seq + i);
+    for (int i = per_seq - cross_per_seq; i < per_seq; ++i) cross[b].push_back(b * per_seq + i);
   }
   std::mt19937 rng(0);
   std::vector<int32_t> prompt(context);
   for (int32_t& t : prompt) t = rng() % 256;
+  const std::vector<int32_t> start{model->config().decoder_start_token_id};
+  // A decoder's prompt, or an encoder-decoder's input (encoded) and the decoder's start token.
+  auto first = [&](int b) {
+    SequenceStep s{enc_dec ? absl::MakeConstSpan(start) : absl::MakeConstSpan(prompt), 0, tables[b], false};
+    if (enc_dec) {
+      s.encoder_tokens = prompt;
+      s.encoder_len = context;
+      s.cross_block_table = cross[b];
+    }
+    return s;
+  };
   std::vector<float> logits;
   {  // one sequence alone (after a warm-up, as the peer), then all of them in one call (which fills every cache)
-    SequenceStep s{prompt, 0, tables[0], false};
+    SequenceStep s = first(0);
     if (!backend->Forward({&s, 1}, &logits).ok()) return r;
     auto t = Clock::now();
     if (!backend->Forward({&s, 1}, &logits).ok()) return r;
     r.prefill_tps = context / Since(t);
-    std::vector<SequenceStep> all;
-    for (int b = 0; b < batch; ++b) all.push_back({prompt, 0, tables[b], false});
-    t = Clock::now();
-    if (!backend->Forward(all, &logits).ok()) return r;
-    r.batch_prefill_tps = double(batch) * context / Since(t);
+    // Without it, the other sequences' caches stay as the pool holds them: a decode step reads them
+    // as it reads filled ones, and its time does not depend on their values.
+    if (batch_prefill) {
+      std::vector<SequenceStep> all;
+      for (int b = 0; b < batch; ++b) all.push_back(first(b));
+      t = Clock::now();
+      if (!backend->Forward(all, &logits).ok()) return r;
+      r.batch_prefill_tps = double(batch) * context / Since(t);
+    }
   }
   std::vector<int32_t> tokens(batch, 65);
+  const int pos0 = enc_dec ? 1 : context;
   auto step = [&](int pos) {
     std::vector<SequenceStep> st;
-    for (int b = 0; b < batch; ++b) st.push_back({absl::MakeConstSpan(&tokens[b], 1), pos, tables[b], false});
+    for (int b = 0; b < batch; ++b) {
+      st.push_back({absl::MakeConstSpan(&tokens[b], 1), pos, tables[b], false});
+      if (enc_dec) {
+        st.back().encoder_len = context;
+        st.back().cross_block_table = cross[b];
+      }
+    }
     return backend->Forward(st, &logits).ok();
   };
-  if (!step(context)) return r;  // warm-up
+  if (!step(pos0)) return r;  // warm-up
   const auto t = Clock::now();
   for (int s = 0; s < steps; ++s) {
-    if (!step(context + 1 + s)) return r;
+    if (!step(pos0 + 1 + s)) return r;
   }
   r.decode_tps = double(batch) * steps / Since(t);
   r.ok = true;
@@ -214,7 +241,8 @@ int RunEngineBench(const EngineBenchOptions& o) {
   }
   const ModelConfig& cfg = (*model)->config();
   for (int context : o.contexts) {
-    if (context + o.steps + 1 > cfg.max_seq_len) {
+    // An encoder-decoder's context is its input; the decoder's own length is the steps.
+    if (cfg.encoder_decoder ? std::max(context, o.steps + 2) > cfg.max_seq_len : context + o.steps + 1 > cfg.max_seq_len) {
       std::fprintf(stderr, "relgen-bench: context %d + %d steps exceeds the model's max_seq_len %d\n", context,
                    o.steps + 1, cfg.max_seq_len);
       return 2;
@@ -273,8 +301,12 @@ int RunEngineBench(const EngineBenchOptions& o) {
   // reads its own K/V; the dense FLOPs scale with the batch.
   const int64_t dense_params = (*model)->num_parameters() - int64_t{cfg.vocab_size} * cfg.d_model * (cfg.tie_embeddings ? 0 : 1);
   // Nearly every parameter sits in a dense layer or the LM head, stored as --weights_dtype.
-  const double weight_bytes = double((*model)->num_parameters()) * cpu::WeightTypeBytes(o.weights);
-  std::printf("model %s: %s, d_model %d, %d layers, %d heads, ffn %d, %.1fM parameters (%s weights, %.0f MB; %s K/V)\n",
+  // A decode step reads neither an untied input embedding (a row per token) nor an encoder's layers.
+  const int64_t encoder_params = int64_t{cfg.n_encoder_layers} * (4 * int64_t{cfg.d_model} * cfg.qkv_width() +
+                                                                 (cfg.ffn_gated ? 3 : 2) * int64_t{cfg.d_model} * cfg.ffn_dim);
+  const int64_t step_params = dense_params - (cfg.encoder_decoder ? encoder_params : 0);
+  const double weight_bytes = double(step_params) * cpu::WeightTypeBytes(o.weights);
+  std::printf("model %s: %s, d_model %d, %d layers, %d heads, ffn %d, %.1fM parameters (%s weights, %.0f MB read a step; %s K/V)\n",
               cfg.name.c_str(), std::string(SchemeName(cfg.rel.scheme)).c_str(), cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_dim,
               (*model)->num_parameters() / 1e6, cpu::WeightTypeName(o.weights), weight_bytes / 1e6, cpu::KvTypeName(o.kv_type));
   const bool peer = o.peer != "none";
@@ -294,7 +326,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::fflush(stdout);
     for (Cell& c : cells) {
       const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type, o.device,
-                                 o.cuda_gemm, o.cuda_split_keys);
+                                 o.cuda_gemm, o.cuda_split_keys, o.batch_prefill);
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
@@ -304,7 +336,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
                     o.cuda_gemm.c_str(), o.cuda_split_keys);
       }
       c.pre.push_back(r.prefill_tps);
-      c.bpre.push_back(r.batch_prefill_tps);
+      if (o.batch_prefill) c.bpre.push_back(r.batch_prefill_tps);
       c.dec.push_back(r.decode_tps);
       if (!peer) continue;
       const json t = RunPeer(PeerCommand(o, c.batch, c.context, threads));
@@ -337,7 +369,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
   for (const Cell& c : cells) {
     const double decode_tps = Median(c.dec);
     const double kv_bytes = double(c.batch) * c.context * cfg.n_layers * 2.0 * cfg.qkv_width() * cpu::KvTypeBytes(o.kv_type);
-    const double step_flops = 2.0 * c.batch * dense_params + 4.0 * c.batch * c.context * cfg.n_layers * cfg.qkv_width();
+    const double step_flops = 2.0 * c.batch * step_params + 4.0 * c.batch * c.context * cfg.n_layers * cfg.qkv_width();
     const double bw = bandwidth_for(weight_bytes + kv_bytes);
     const double roof_s = gpu ? (weight_bytes + kv_bytes) / bw : std::max((weight_bytes + kv_bytes) / bw, step_flops / flops);
     const double fraction = bw > 0 ? roof_s / (c.batch / decode_tps) : 0;

@@ -31,7 +31,7 @@ int Usage() {
                "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
                "                           [--weights_dtype f32|bf16|int8] [--kv_cache_dtype f32|bf16] [--machine FILE]\n"
                "                           [--device cpu|cuda[:N] [--device_GBps 3350] [--cuda_gemm invariant|cublas]\n"
-               "                           [--cuda_split_keys 128]]   (cuda: --peer torch|none)\n"
+               "                           [--cuda_split_keys 128]]   (cuda: --peer torch|none) [--batch_prefill 1|0]\n"
                "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
       else if (f == "--device_GBps") ok = absl::SimpleAtod(v, &o.device_gbps) && o.device_gbps > 0;
       else if (f == "--cuda_gemm") ok = (o.cuda_gemm = v) == "invariant" || v == "cublas";
       else if (f == "--cuda_split_keys") ok = absl::SimpleAtoi(v, &o.cuda_split_keys) && o.cuda_split_keys > 0;
+      else if (f == "--batch_prefill") ok = (v == "0" || v == "1") && (o.batch_prefill = v == "1", true);
       else ok = false;
       if (!ok) return Usage();
     }
