@@ -48,22 +48,30 @@ ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400",
           "admin HTTP address HOST:PORT for /metrics, /healthz, /readyz (port 0 picks one)");
 ABSL_FLAG(std::string, device, "auto", "auto (CUDA when a GPU is present), cpu, cuda or cuda:N");
 ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
-ABSL_FLAG(std::string, weights_dtype, "f32",
-          "how the CPU backend stores the dense layers' weights: f32, bf16 (half the bytes) or int8 (a quarter; "
-          "per-output-channel scales); arithmetic stays float32. docs/benchmarks.md gives each one's accuracy");
-ABSL_FLAG(std::string, kv_cache_dtype, "f32",
-          "how the K/V cache is stored (CPU and CUDA): f32, or bf16 (half the bytes: twice the tokens in the same "
-          "memory, half the cache read per decode step); arithmetic stays float32");
+ABSL_FLAG(std::string, weights_dtype, "auto",
+          "how the backend stores the dense layers' weights: auto (bf16 for a bf16 checkpoint, else f32), f32, bf16 "
+          "(half the bytes) or, on the CPU, int8 (a quarter; per-output-channel scales); arithmetic stays float32. "
+          "docs/benchmarks.md gives each one's accuracy");
+ABSL_FLAG(std::string, kv_cache_dtype, "auto",
+          "how the K/V cache is stored (CPU and CUDA): auto (bf16 for a bf16 checkpoint, else f32), f32, or bf16 "
+          "(half the bytes: twice the tokens in the same memory, half the cache read per decode step); arithmetic "
+          "stays float32");
 ABSL_FLAG(std::string, cuda_gemm, "invariant",
           "the CUDA backend's projections: invariant (relgen's kernel: a row's bits never depend on the rows "
           "batched with it; bias, activation and residual in the same launch) or cublas (cuBLAS SGEMM: faster "
           "long prefills, rows may change with the batch)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
+ABSL_FLAG(int32_t, max_encoder_tokens, 2048,
+          "encoder-decoder models: input tokens encoded per engine step, apart from --max_batch_tokens (an input "
+          "longer than this encodes alone in its step)");
 ABSL_FLAG(int32_t, max_waiting, 1024, "queued requests at most; beyond, RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_cache_tokens, 0, "KV cache capacity in tokens (0: use --kv_cache_memory_fraction)");
-ABSL_FLAG(double, kv_cache_memory_fraction, 0.2, "KV cache size as a fraction of available memory (on a GPU: of the memory free after the weights, "
-          "the largest step's buffers and 64 MiB of headroom)");
+ABSL_FLAG(double, kv_cache_memory_fraction, 0,
+          "KV cache size as a fraction of available memory (on a GPU: of the memory free after the weights, the "
+          "largest step's buffers and 64 MiB of headroom). 0, the default: 0.9 of that on a GPU; on the CPU "
+          "--max_num_seqs whole sequences of the model's context, at most 0.2 of the memory available, its pages "
+          "taken only as they are written");
 ABSL_FLAG(int32_t, kv_block_size, 16, "tokens per KV cache block");
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "reuse the KV blocks of prompt prefixes computed before (same outputs either way); "
@@ -185,6 +193,7 @@ int Main(int argc, char** argv) {
   o.cuda_gemm = absl::GetFlag(FLAGS_cuda_gemm);
   o.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  o.max_encoder_tokens = absl::GetFlag(FLAGS_max_encoder_tokens);
   o.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   o.kv_cache_tokens = absl::GetFlag(FLAGS_kv_cache_tokens);
   o.kv_cache_memory_fraction = absl::GetFlag(FLAGS_kv_cache_memory_fraction);
@@ -202,7 +211,8 @@ int Main(int argc, char** argv) {
   o.stream_write_timeout_seconds = absl::GetFlag(FLAGS_stream_write_timeout_seconds);
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
 
-  if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_waiting < 1 || o.kv_block_size < 1 ||
+  if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_encoder_tokens < 1 || o.max_waiting < 1 ||
+      o.kv_block_size < 1 ||
       o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
       o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0 || o.max_concurrent_streams < 1 ||
       !(o.stream_write_timeout_seconds >= 0)) {
@@ -306,15 +316,18 @@ int Main(int argc, char** argv) {
   dev.kv_cache_dtype = o.kv_cache_dtype;
   dev.cuda_gemm = o.cuda_gemm;
   dev.max_step_tokens = o.max_batch_tokens;
+  dev.max_step_encoder_tokens = o.max_encoder_tokens;
   dev.max_step_seqs = o.max_num_seqs;
   auto backend = NewBackend(*model, dev);
   if (!backend.ok()) return Fail(std::string(backend.status().message()));
   const KvCacheConfig kv = (*backend)->kv_cache();
   const std::string device_name = (*backend)->device();
   const int64_t kv_bytes = (*backend)->memory().kv_cache;
+  const std::string weights_dtype = (*backend)->weights_dtype(), kv_dtype = (*backend)->kv_cache_dtype();
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;
+  ec.scheduler.max_encoder_tokens = o.max_encoder_tokens;
   ec.max_waiting = o.max_waiting;
   ec.prefix_caching = o.enable_prefix_caching;
   ec.observer = metrics;
@@ -331,7 +344,7 @@ int Main(int argc, char** argv) {
               "gRPC on %s%s%s; metrics on %s\n",
               c.name.c_str(), o.model.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
               static_cast<long long>((*model)->num_parameters()), std::string(DTypeName((*model)->file_dtype())).c_str(),
-              o.weights_dtype.c_str(), device_name.c_str(), static_cast<long long>(kv_tokens), o.kv_cache_dtype.c_str(), kv_bytes / 1048576.0,
+              weights_dtype.c_str(), device_name.c_str(), static_cast<long long>(kv_tokens), kv_dtype.c_str(), kv_bytes / 1048576.0,
               WithPort(o.listen, port).c_str(),
               o.tls_cert.empty() ? "" : (o.tls_client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
               o.auth_token.empty() ? "" : " (bearer token)", WithPort(o.metrics_listen, *metrics_port).c_str());

@@ -17,6 +17,7 @@ struct Options {
   std::string cuda_gemm = "invariant";  // CUDA projections: invariant (relgen's kernel) or cublas
   int max_num_seqs = 64;
   int max_batch_tokens = 512;
+  int max_encoder_tokens = 2048;
   int max_waiting = 1024;
   int64_t kv_cache_tokens = 0;           // 0: size by kv_cache_memory_fraction
   double kv_cache_memory_fraction = 0.2;

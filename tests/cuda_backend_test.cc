@@ -406,7 +406,7 @@ TEST_P(CudaParityTest, Bf16WeightsMatchCpuTwin) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   // Some goldens are stored in bf16 (checkpoint dtype): their weights round to themselves.
   const ModelConfig& c = model->config();
-  const float* wq = model->layer(0).wq;
+  const std::vector<float> wq = model->layer(0).wq->ToFloat();
   bool stored_bf16 = true;
   for (int64_t i = 0; i < int64_t{c.qkv_width()} * c.d_model; ++i) stored_bf16 &= testing::Bf16Value(wq[i]) == wq[i];
   const int vocab = c.vocab_size;
@@ -1265,6 +1265,57 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
   EXPECT_EQ(bytes[0], 1024 * CudaKvBytesPerToken(c));
   EXPECT_EQ(bytes[1] * 2, bytes[0]);
   EXPECT_EQ(CudaKvBytesPerToken(c, cpu::KvType::kBf16), int64_t{2} * c.n_layers * c.n_heads * c.head_dim * 2);
+}
+
+// Every buffer a step can need is allocated at start, for the scheduler's limits: a mix of decode,
+// a chunked prefill, prompt log-probabilities (every row's logits, up to a whole step's tokens) and
+// decodes of several batch sizes allocates nothing more and never drops a captured graph.
+TEST(CudaEmulatorTest, AllocatesNothingAfterStart) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const ModelConfig& c = model->config();
+  CudaOptions o;
+  o.num_blocks = 64;
+  o.max_step_tokens = 48;  // the scheduler's --max_batch_tokens
+  o.max_step_seqs = 4;     // --max_num_seqs
+  auto backend = NewCudaBackend(model, o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::mt19937 rng(7);
+  std::vector<int32_t> t(200);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % c.vocab_size);
+  std::vector<std::vector<int32_t>> tables(4);
+  for (int s = 0; s < 4; ++s) {
+    for (int b = 0; b < 12; ++b) tables[s].push_back(s * 12 + b);
+  }
+  auto span = [&](int from, int n) { return absl::MakeConstSpan(t).subspan(from, n); };
+  std::vector<float> logits;
+  simt::ResetCounters();
+  // A whole step of one prompt's rows, every row's logits kept (prompt_logprobs / Score).
+  SequenceStep all{span(0, 48), 0, tables[0], true};
+  ASSERT_TRUE((*backend)->Forward({&all, 1}, &logits).ok());
+  EXPECT_EQ(logits.size(), size_t{48} * c.vocab_size);
+  // A chunk of another prompt beside three decodes; then decode steps of 1..4 sequences, twice.
+  std::vector<SequenceStep> mixed = {{span(48, 1), 48, tables[0], false},
+                                     {span(0, 45), 0, tables[1], true},
+                                     {span(10, 1), 0, tables[2], false},
+                                     {span(11, 1), 0, tables[3], false}};
+  ASSERT_TRUE((*backend)->Forward(mixed, &logits).ok());
+  std::vector<int> pos = {49, 45, 1, 1};
+  for (int round = 0; round < 2; ++round) {
+    for (int n = 1; n <= 4; ++n) {
+      std::vector<SequenceStep> steps;
+      for (int s = 0; s < n; ++s) steps.push_back({span(pos[s], 1), pos[s], tables[s], false});
+      ASSERT_TRUE((*backend)->Forward(steps, &logits).ok());
+      for (int s = 0; s < n; ++s) ++pos[s];
+      // A decode graph is captured once per batch size, in the first round only.
+      if (round == 1) EXPECT_EQ(simt::GetCounters().captured, 0) << n << " rows";
+      if (round == 1) simt::ResetCounters();
+    }
+    if (round == 0) {
+      EXPECT_EQ(simt::GetCounters().mallocs, 0) << "a buffer was allocated after start";
+      simt::ResetCounters();
+    }
+  }
+  EXPECT_EQ(simt::GetCounters().mallocs, 0);
 }
 
 // One forward's work as the emulator counts it: every projection is one GEMM, memory comes back.

@@ -5,6 +5,7 @@
 
 #include <cctype>
 #include <cstdio>
+#include <fstream>
 #include <regex>
 
 #include "engine/backends/cpu_backend.h"
@@ -90,6 +91,43 @@ TEST(DefaultModelTest, ServerWithoutModelFlagServesReadableText) {
   const auto words = std::distance(std::sregex_iterator(resp.text().begin(), resp.text().end(), word), std::sregex_iterator());
   EXPECT_GE(words, 8) << resp.text();
   std::printf("sample: The secret of happiness is%s\n", resp.text().c_str());
+}
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define RELGEN_UNDER_SANITIZER 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define RELGEN_UNDER_SANITIZER 1
+#endif
+
+// At the defaults the server sizes its KV pool for --max_num_seqs (64) whole contexts (1024 tokens)
+// and takes its pages only as they are written: idle, it holds little.
+TEST(DefaultModelTest, IdleServerAtTheDefaultsHoldsUnder300MB) {
+#ifdef RELGEN_UNDER_SANITIZER
+  GTEST_SKIP() << "a sanitizer's shadow memory is resident too: the main tree checks this";
+#endif
+  testing::ServerProcess server;
+  std::string error;
+  ASSERT_TRUE(server.Start({}, &error)) << error;
+  EXPECT_THAT(server.startup_output(), ::testing::HasSubstr("KV cache 65536 tokens"));
+  auto stub = v1::GenerationService::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::GenerateRequest req;
+  req.set_text("Idle after one request");
+  req.set_max_new_tokens(16);
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(stub->Generate(&ctx, req, &resp).ok());
+  std::ifstream status("/proc/" + std::to_string(server.pid()) + "/status");
+  std::string line;
+  int64_t rss_kib = -1;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) rss_kib = std::stoll(line.substr(6));
+  }
+  ASSERT_GT(rss_kib, 0);
+  std::printf("idle server: VmRSS %.1f MiB\n", rss_kib / 1024.0);
+  EXPECT_LT(rss_kib, 300 * 1024);
 }
 
 }  // namespace

@@ -310,7 +310,13 @@ TEST(EngineSubmitTest, RefusesWhatCanNeverRun) {
   s.num_blocks = 8;  // 128 tokens
   auto engine = MakeEngine("none", s);
   Request big = Prompt(100, 40);
-  EXPECT_THAT(engine->Submit(big).status().message(), HasSubstr("can never fit the KV cache of 128 tokens"));
+  // 100 + 40 > 128: max_new_tokens may be at most 128 - 100; a 128-token prompt leaves no room at all.
+  EXPECT_EQ(engine->Submit(big).status().message(),
+            "prompt (100 tokens) + max_new_tokens (40) = 140 tokens can never fit the KV cache of 128 tokens; set "
+            "max_new_tokens to at most 28 or shorten the prompt, or start the server with a larger --kv_cache_tokens");
+  EXPECT_EQ(engine->Submit(big).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(engine->Submit(Prompt(128, 1)).status().message(),
+              HasSubstr("= 129 tokens can never fit the KV cache of 128 tokens; shorten the prompt to under 128 tokens"));
   EXPECT_THAT(engine->Submit(Prompt(0, 4)).status().message(), HasSubstr("prompt is empty"));
   Request bad = Prompt(4, 4);
   bad.prompt[2] = 259;
@@ -383,18 +389,39 @@ TEST(DeviceWeightsTest, CpuStoresTheAskedType) {
     ASSERT_TRUE(backend.ok()) << t << ": " << backend.status();
     weights[t] = (*backend)->memory().weights;
   }
-  // The packed copies shrink by 2x and 4x (the model's own float32 tensors stay, counted in each).
-  const int64_t original = model->float_bytes();
+  // The packed copies shrink by 2x and 4x (the small tensors and the stored embedding, counted in each, stay).
+  const int64_t original = model->small_bytes() + model->embed().bytes();
   EXPECT_NEAR(double(weights["bf16"] - original) / (weights["f32"] - original), 0.5, 0.01);
   EXPECT_NEAR(double(weights["int8"] - original) / (weights["f32"] - original), 0.25, 0.02);
+}
+
+// auto: a bf16 checkpoint computes from bf16 weights with bf16 K/V; a float32 one in float32; an
+// explicit type wins. (Which goldens are stored in bf16: tools/make_goldens.py.)
+TEST(DeviceWeightsTest, AutoFollowsTheCheckpointsType) {
+  for (const auto& [name, stored, expected] :
+       {std::tuple{"shaw_values_long_range", DType::kBF16, "bf16"}, std::tuple{"skew_local_long_range", DType::kBF16, "bf16"},
+        std::tuple{"skew_short_range", DType::kF32, "f32"}}) {
+    auto model = *Model::Load(testing::GoldenDir() + "/" + name);
+    ASSERT_EQ(model->file_dtype(), stored) << name;
+    DeviceOptions o;
+    o.device = "cpu";
+    o.kv_cache_tokens = 1024;
+    auto backend = NewBackend(model, o);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    EXPECT_EQ((*backend)->weights_dtype(), expected) << name;
+    EXPECT_EQ((*backend)->kv_cache_dtype(), expected) << name;
+    o.weights_dtype = "f32";
+    o.kv_cache_dtype = "f32";
+    EXPECT_EQ((*NewBackend(model, o))->weights_dtype(), "f32") << name;
+  }
 }
 
 // Storage type (and CUDA projection) names NewBackend does not know are refused with the allowed ones.
 TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
   for (const auto& [field, name, message] :
-       {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed f32, bf16, int8"},
-        std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed f32, bf16"},
+       {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed auto, f32, bf16, int8"},
+        std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed auto, f32, bf16"},
         std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed invariant, cublas"}}) {
     DeviceOptions o;
     o.device = "cpu";

@@ -97,36 +97,62 @@ TEST(SchedulerTest, RequestLargerThanTheWholeCacheIsNeverAdmitted) {
   EXPECT_TRUE(ComputeSchedule({}, w, 16, Config(1000)).chunks.empty());
 }
 
-// Encoder-decoder: an admitted sequence's input (encoded whole) is charged to the budget and gets
-// blocks for its cross-attention K/V besides its decoder blocks.
-TEST(SchedulerTest, EncoderInputIsChargedAndGetsItsOwnBlocks) {
+// Encoder-decoder: an admitted sequence's input (encoded whole) is charged to the encoder budget,
+// its first decoder token to the token budget, and it gets blocks for its cross-attention K/V.
+TEST(SchedulerTest, EncoderInputIsChargedToItsOwnBudgetAndGetsItsOwnBlocks) {
   SchedSeq a = Waiting(1, 1), b = Waiting(2, 1), c = Waiting(3, 1);
   a.encoder_tokens = 30;  // 8 blocks of 4
   b.encoder_tokens = 20;  // 5 blocks
   c.encoder_tokens = 10;
   const SchedSeq w[] = {a, b, c};
-  const Schedule s = ComputeSchedule({}, w, 100, Config(60));
-  // 30 + 1, then 20 + 1 = 52 of 60; the third (10 + 1) does not fit the budget.
+  SchedulerConfig config = Config(60);
+  config.max_encoder_tokens = 55;
+  const Schedule s = ComputeSchedule({}, w, 100, config);
+  // 30, then 20 = 50 of 55 encoder tokens; the third's 10 does not fit. 2 of the 60 tokens used.
   ASSERT_EQ(s.chunks.size(), 2u);
   EXPECT_EQ(s.chunks[0].num_tokens, 1);
   EXPECT_EQ(s.chunks[0].new_blocks, 1);
   EXPECT_EQ(s.chunks[0].encoder_blocks, 8);
   EXPECT_EQ(s.chunks[1].encoder_blocks, 5);
   // Blocks: 1 + 8 fit 9 free, and then nothing more.
-  const Schedule tight = ComputeSchedule({}, w, 9, Config(60));
+  const Schedule tight = ComputeSchedule({}, w, 9, config);
   ASSERT_EQ(tight.chunks.size(), 1u);
   EXPECT_EQ(tight.chunks[0].id, 1);
+  // The token budget never pays for inputs: with 2 tokens, two inputs (one decoder token each).
+  config.max_batch_tokens = 2;
+  EXPECT_EQ(ComputeSchedule({}, w, 100, config).chunks.size(), 2u);
 }
 
-TEST(SchedulerTest, InputLongerThanTheBudgetStillEncodesAlone) {
-  SchedSeq a = Waiting(1, 1);
+// Decodes keep running beside an admitted input: 3 decoding sequences and a 500-token input in a
+// budget of 4 tokens all run (3 decode tokens + the input's first decoder token).
+TEST(SchedulerTest, AdmittingAnInputLeavesTheDecodesTheirTokens) {
+  SchedSeq a = Waiting(9, 1);
   a.encoder_tokens = 500;
-  const Schedule s = ComputeSchedule({}, {&a, 1}, 1000, Config(64));
-  ASSERT_EQ(s.chunks.size(), 1u);  // charged 63 + 1: the whole budget
+  const SchedSeq r[] = {Decoding(1, 9), Decoding(2, 9), Decoding(3, 9)};
+  SchedulerConfig config = Config(4);
+  config.max_encoder_tokens = 512;
+  const Schedule s = ComputeSchedule(r, {&a, 1}, 1000, config);
+  ASSERT_EQ(s.chunks.size(), 4u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(s.chunks[i].num_tokens, 1);
+  EXPECT_EQ(s.chunks[3].id, 9);
+  EXPECT_EQ(s.chunks[3].encoder_blocks, 125);
+}
+
+TEST(SchedulerTest, InputLongerThanTheEncoderBudgetEncodesAlone) {
+  SchedSeq a = Waiting(1, 1), b = Waiting(2, 1);
+  a.encoder_tokens = 500;
+  b.encoder_tokens = 8;
+  SchedulerConfig config = Config(64);
+  config.max_encoder_tokens = 100;
+  const SchedSeq w[] = {a, b};
+  const Schedule s = ComputeSchedule({}, w, 1000, config);
+  ASSERT_EQ(s.chunks.size(), 1u);  // the whole encoder budget and more: nothing else is encoded
   EXPECT_EQ(s.chunks[0].encoder_blocks, 125);
-  // Behind a decoding sequence it waits for a step with the budget free of others.
-  const SchedSeq r[] = {Decoding(2, 9)};
-  EXPECT_EQ(ComputeSchedule(r, {&a, 1}, 1000, Config(64)).chunks.size(), 1u);
+  // Behind another input in the same step it waits for the next.
+  const SchedSeq w2[] = {b, a};
+  const Schedule s2 = ComputeSchedule({}, w2, 1000, config);
+  ASSERT_EQ(s2.chunks.size(), 1u);
+  EXPECT_EQ(s2.chunks[0].id, 2);
 }
 
 TEST(SchedulerTest, PreemptionFreesCrossBlocksToo) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/backends/cpu_backend.h"
+#include "engine/backends/device.h"
 #include "engine/core/engine.h"
 #include "engine/model/hf_checkpoint.h"
 #include "engine/model/model.h"
@@ -279,6 +280,67 @@ class T5EngineTest : public ::testing::Test {
 
   std::shared_ptr<const Model> model_;
 };
+
+// The defaults (64 sequences, 512 tokens a step, 2048 input tokens encoded a step, the pool the
+// backend's default sizes for 64 sequences): 64 requests with 512-token inputs arriving while
+// another decodes all run together within 16 steps (4 inputs a step), and the decode beside them
+// gains one token every step. Charged to the step's token budget instead, inputs were admitted one
+// a step, so at most 32 (one per step of a 32-token output) ran at once.
+TEST_F(T5EngineTest, SixtyFourLongInputsRunTogetherWhileADecodeKeepsItsTokenEveryStep) {
+  struct Peak : EngineObserver {
+    int most = 0;
+    void OnStep(int num_seqs, int num_tokens) override { most = std::max(most, num_seqs); }
+  };
+  auto peak = std::make_shared<Peak>();
+  EngineConfig config;
+  config.background_thread = false;
+  config.observer = peak;
+  DeviceOptions o;
+  o.device = "cpu";
+  o.threads = 1;
+  o.max_step_seqs = config.scheduler.max_num_seqs;
+  auto backend = NewBackend(model_, o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto e = Engine::Create(model_, *std::move(backend), *NewTokenizer(model_->config(), model_->dir()), config);
+  ASSERT_TRUE(e.ok()) << e.status();
+  Engine& engine = **e;
+  Request a;
+  a.prompt = {5, 6, 7};
+  a.sampling.temperature = 0;
+  a.stop.max_new_tokens = 200;
+  a.stop.ignore_eos = true;
+  auto ha = *engine.Submit(a);
+  auto tokens_of_a = [&] {
+    int n = 0;
+    Output out;
+    while (ha->Next(&out, absl::ZeroDuration())) n += static_cast<int>(out.token_ids.size());
+    return n;
+  };
+  engine.RunOnce();
+  ASSERT_EQ(tokens_of_a(), 1);
+  std::mt19937 rng(3);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < 64; ++i) {
+    Request r;
+    for (int t = 0; t < 512; ++t) r.prompt.push_back(3 + static_cast<int>(rng() % 400));
+    r.sampling.temperature = 0;
+    r.stop.max_new_tokens = 32;
+    r.stop.ignore_eos = true;
+    auto h = engine.Submit(r);
+    ASSERT_TRUE(h.ok()) << h.status();
+    handles.push_back(*h);
+  }
+  for (int step = 0; step < 20; ++step) {
+    engine.RunOnce();
+    EXPECT_EQ(tokens_of_a(), 1) << "step " << step;
+  }
+  // a and 63 of the inputs (max_num_seqs 64); the 64th waits for a slot.
+  EXPECT_EQ(peak->most, 64);
+  EXPECT_GE(peak->most, 48);
+  for (auto& h : handles) h->Cancel();
+  ha->Cancel();
+  engine.RunOnce();
+}
 
 TEST_F(T5EngineTest, SixteenConcurrentRequestsEachEqualAlone) {
   const std::vector<Request> work = Work();

@@ -1,5 +1,7 @@
 #include "engine/backends/cpu_backend.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -18,31 +20,58 @@
 namespace relgen {
 namespace {
 
-// A K or V pool: raw storage of float or bf16 elements, zeroed up front (the pages are committed
-// at start, as the float vectors were), 64-byte aligned.
+// A K or V pool: raw storage of float or bf16 elements in an anonymous mapping, which reads as
+// zeros and takes memory only for the pages a sequence writes: a pool sized for max_num_seqs whole
+// contexts costs what is used.
 class KvPool {
  public:
-  void resize(int64_t bytes) {
+  ~KvPool() { Reset(); }
+  bool resize(int64_t bytes) {
+    Reset();
+    void* p = ::mmap(nullptr, std::max<int64_t>(bytes, 1), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+    if (p == MAP_FAILED) return false;
+    data_ = static_cast<char*>(p);
     bytes_ = bytes;
-    data_.reset(static_cast<char*>(std::aligned_alloc(64, std::max<int64_t>((bytes + 63) / 64 * 64, 64))));
-    std::memset(data_.get(), 0, bytes);
+    return true;
   }
-  char* data() { return data_.get(); }
+  char* data() { return data_; }
   int64_t size() const { return bytes_; }
 
  private:
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
-  std::unique_ptr<char, Free> data_;
+  void Reset() {
+    if (data_ != nullptr) ::munmap(data_, std::max<int64_t>(bytes_, 1));
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+  char* data_ = nullptr;
   int64_t bytes_ = 0;
 };
+
+// A stored matrix packed for the GEMM from its stored rows (widened one at a time); its mapped
+// pages leave resident memory once packed.
+cpu::PackedMatrix Pack(const StoredMatrix& m, cpu::WeightType wt) {
+  cpu::PackedMatrix packed(static_cast<int>(m.rows), static_cast<int>(m.cols), wt,
+                           [&m](int row, float* out) { m.Widen(row, 1, out); });
+  m.ReleasePages();
+  return packed;
+}
+
+// Rows of the stored embedding for `ids`, times `scale`, into out [n, dim].
+void Embed(const StoredMatrix& table, const int32_t* ids, int n, float scale, float* out) {
+  const int64_t dim = table.cols;
+  for (int i = 0; i < n; ++i) {
+    float* o = out + i * dim;
+    table.Widen(ids[i], 1, o);
+    for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * scale;
+  }
+}
 
 class CpuBackend final : public Backend {
  public:
   CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads, cpu::WeightType wt,
              cpu::KvType kv_type)
-      : model_(std::move(model)), kv_(kv), kv_type_(kv_type), pool_(threads) {
+      : model_(std::move(model)), kv_(kv), weight_type_(wt), kv_type_(kv_type), pool_(threads) {
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
     dims_.n_heads = c.n_heads;
@@ -50,18 +79,18 @@ class CpuBackend final : public Backend {
     dims_.scale = c.attention_scale;
     auto pack = [&](const LayerWeights& lw) {
       PackedLayer pl;
-      pl.q = cpu::PackedMatrix(lw.wq, w, d, wt);
-      pl.k = cpu::PackedMatrix(lw.wk, w, d, wt);
-      pl.v = cpu::PackedMatrix(lw.wv, w, d, wt);
-      pl.o = cpu::PackedMatrix(lw.wo, d, w, wt);
-      pl.up = cpu::PackedMatrix(lw.w_up, f, d, wt);
-      if (lw.w_gate != nullptr) pl.gate = cpu::PackedMatrix(lw.w_gate, f, d, wt);
-      pl.down = cpu::PackedMatrix(lw.w_down, d, f, wt);
+      pl.q = Pack(*lw.wq, wt);
+      pl.k = Pack(*lw.wk, wt);
+      pl.v = Pack(*lw.wv, wt);
+      pl.o = Pack(*lw.wo, wt);
+      pl.up = Pack(*lw.w_up, wt);
+      if (lw.w_gate != nullptr) pl.gate = Pack(*lw.w_gate, wt);
+      pl.down = Pack(*lw.w_down, wt);
       if (lw.cq != nullptr) {
-        pl.cq = cpu::PackedMatrix(lw.cq, w, d, wt);
-        pl.ck = cpu::PackedMatrix(lw.ck, w, d, wt);
-        pl.cv = cpu::PackedMatrix(lw.cv, w, d, wt);
-        pl.co = cpu::PackedMatrix(lw.co, d, w, wt);
+        pl.cq = Pack(*lw.cq, wt);
+        pl.ck = Pack(*lw.ck, wt);
+        pl.cv = Pack(*lw.cv, wt);
+        pl.co = Pack(*lw.co, wt);
       }
       return pl;
     };
@@ -103,20 +132,24 @@ class CpuBackend final : public Backend {
       r.alibi_slopes = model_->alibi_slopes().data();
       rel_.push_back(r);
     }
-    lm_head_ = cpu::PackedMatrix(model_->lm_head(), c.vocab_size, d, wt);
+    lm_head_ = Pack(model_->lm_head(), wt);
     // Per layer: K and V pools [num_blocks, n_heads, block_size, head_dim] of kv_type elements.
     layer_bytes_ = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim * cpu::KvTypeBytes(kv_type_);
-    k_pool_.resize(layer_bytes_ * c.n_layers);
-    v_pool_.resize(layer_bytes_ * c.n_layers);
+    pool_ok_ = k_pool_.resize(layer_bytes_ * c.n_layers) && v_pool_.resize(layer_bytes_ * c.n_layers);
   }
 
+  // False when the pool's address space could not be had.
+  bool pool_ok() const { return pool_ok_; }
   absl::string_view name() const override { return "cpu"; }
 
   const KvCacheConfig& kv_cache() const override { return kv_; }
   std::string device() const override { return "cpu"; }
+  std::string weights_dtype() const override { return cpu::WeightTypeName(weight_type_); }
+  std::string kv_cache_dtype() const override { return cpu::KvTypeName(kv_type_); }
   BackendMemory memory() const override {
     BackendMemory m;
-    m.weights = model_->float_bytes() + lm_head_.bytes();
+    // The embedding is read as stored, a row per token; the small tensors were widened at load.
+    m.weights = model_->small_bytes() + model_->embed().bytes() + lm_head_.bytes();
     for (const auto* stack : {&packed_, &encoder_packed_}) {
       for (const PackedLayer& p : *stack) {
         for (const cpu::PackedMatrix* w : {&p.q, &p.k, &p.v, &p.o, &p.up, &p.gate, &p.down, &p.cq, &p.ck, &p.cv, &p.co}) {
@@ -194,9 +227,11 @@ class CpuBackend final : public Backend {
 
   std::shared_ptr<const Model> model_;
   KvCacheConfig kv_;
+  cpu::WeightType weight_type_;
   cpu::KvType kv_type_;
   int64_t layer_bytes_ = 0;
   KvPool k_pool_, v_pool_;
+  bool pool_ok_ = false;
   cpu::ThreadPool pool_;
   std::vector<PackedLayer> packed_, encoder_packed_;
   cpu::PackedMatrix lm_head_;
@@ -264,8 +299,7 @@ void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
   }
   for (size_t j = 0; j < which.size(); ++j) {
     const SequenceStep& s = steps[which[j]];
-    cpu::Embedding(model_->embed(), d, s.encoder_tokens.data(), s.encoder_len, c.embedding_scale,
-                   b.x + int64_t{rows[j]} * d);
+    Embed(model_->embed(), s.encoder_tokens.data(), s.encoder_len, c.embedding_scale, b.x + int64_t{rows[j]} * d);
   }
   // Each input's K/V as one contiguous block: attention never crosses inputs.
   static const int32_t kOneBlock[1] = {0};
@@ -334,8 +368,8 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
   {
     int row = 0;
     for (const SequenceStep& s : steps) {
-      cpu::Embedding(model_->embed(), d, s.tokens.data(), static_cast<int>(s.tokens.size()),
-                     c.embedding_scale, x + int64_t{row} * d);
+      Embed(model_->embed(), s.tokens.data(), static_cast<int>(s.tokens.size()), c.embedding_scale,
+            x + int64_t{row} * d);
       row += static_cast<int>(s.tokens.size());
     }
   }
@@ -428,15 +462,18 @@ int64_t CpuKvBytesPerToken(const ModelConfig& c, cpu::KvType kv_type) {
 }
 
 absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double memory_fraction,
-                                int block_size, cpu::KvType kv_type) {
-  const int64_t per_block = CpuKvBytesPerToken(c, kv_type) * block_size;
+                                int block_size, cpu::KvType kv_type, int max_seqs) {
   if (block_size < 1) return absl::InvalidArgumentError("KV block size must be >= 1");
+  const int64_t per_block = CpuKvBytesPerToken(c, kv_type) * block_size;
+  // An encoder-decoder sequence also holds its input's cross-attention K/V.
+  const int64_t need = (c.encoder_decoder ? 2 : 1) * int64_t{(c.max_seq_len + block_size - 1) / block_size};
   int64_t blocks;
   if (tokens > 0) {
     blocks = (tokens + block_size - 1) / block_size;
   } else {
-    if (!(memory_fraction > 0.0 && memory_fraction <= 1.0)) {
-      return absl::InvalidArgumentError(absl::StrCat("KV memory fraction ", memory_fraction, "; allowed (0, 1]"));
+    if (!(memory_fraction >= 0.0 && memory_fraction <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("KV memory fraction ", memory_fraction, "; allowed (0, 1], or 0 for the default"));
     }
     std::ifstream meminfo("/proc/meminfo");
     std::string key;
@@ -445,10 +482,11 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double mem
       if (key == "MemAvailable:") break;
       meminfo.ignore(256, '\n');
     }
-    blocks = static_cast<int64_t>(memory_fraction * static_cast<double>(kib) * 1024.0) / per_block;
+    const double fraction = memory_fraction > 0 ? memory_fraction : kCpuKvDefaultFraction;
+    blocks = static_cast<int64_t>(fraction * static_cast<double>(kib) * 1024.0) / per_block;
+    // The default: max_seqs whole sequences, within that fraction (pages are taken as written).
+    if (memory_fraction == 0 && max_seqs > 0) blocks = std::min(blocks, need * max_seqs);
   }
-  // An encoder-decoder sequence also holds its input's cross-attention K/V.
-  const int64_t need = (c.encoder_decoder ? 2 : 1) * int64_t{(c.max_seq_len + block_size - 1) / block_size};
   if (blocks < need) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a KV pool of ", blocks * block_size, " tokens cannot hold one sequence of max_seq_len ",
@@ -467,7 +505,12 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Mod
                                                    kv.block_size, " tokens; both must be >= 1"));
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::make_unique<CpuBackend>(std::move(model), kv, threads, weights, kv_type);
+  auto backend = std::make_unique<CpuBackend>(std::move(model), kv, threads, weights, kv_type);
+  if (!backend->pool_ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map a KV pool of ", kv.num_blocks, " blocks of ",
+                                                     kv.block_size, " tokens; give a smaller --kv_cache_tokens"));
+  }
+  return backend;
 }
 
 }  // namespace relgen

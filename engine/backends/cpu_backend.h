@@ -15,10 +15,14 @@ namespace relgen {
 // Bytes of KV pool per token (every layer's K and V, of `kv_type` elements).
 int64_t CpuKvBytesPerToken(const ModelConfig& config, cpu::KvType kv_type = cpu::KvType::kF32);
 
+// The default pool's cap, as a fraction of the memory available at start.
+inline constexpr double kCpuKvDefaultFraction = 0.2;
+
 // Blocks for a KV pool of `tokens` tokens, or, when tokens is 0, of `memory_fraction` (0, 1] of the
-// memory available now (MemAvailable). Errors say what is too small and what would fit.
+// memory available now (MemAvailable); with both 0 (the default), `max_seqs` whole sequences of
+// max_seq_len, at most kCpuKvDefaultFraction of it. Errors say what is too small and what would fit.
 absl::StatusOr<int> CpuKvBlocks(const ModelConfig& config, int64_t tokens, double memory_fraction,
-                                int block_size, cpu::KvType kv_type = cpu::KvType::kF32);
+                                int block_size, cpu::KvType kv_type = cpu::KvType::kF32, int max_seqs = 0);
 
 // Allocates the KV pool of `kv` (num_blocks >= 1). `threads` 0 uses every hardware thread.
 // `weights` is how the dense layers' weights (and the LM head) are stored, `kv_type` the K/V

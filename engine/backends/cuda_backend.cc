@@ -114,7 +114,7 @@ class CudaBackend final : public Backend {
         for (const char* sibling : {"attn.k.", "attn.v."}) {
           const std::string name = std::string(spec.name).replace(at, 7, sibling);
           if (count.count(name) > 0 && count[name] == n && weights_.count(name) == 0 && weights16_.count(name) == 0 &&
-              Host(name) != nullptr) {
+              (model_->Matrix(name) != nullptr || model_->Small(name) != nullptr)) {
             parts.push_back(name);
           }
         }
@@ -129,10 +129,14 @@ class CudaBackend final : public Backend {
       float*& dev = owned_.emplace_back(nullptr);
       RELGEN_CUDA_RETURN(cudaMalloc(&dev, parts.size() * n * sizeof(float)));
       for (size_t i = 0; i < parts.size(); ++i) {
-        const float* host = Host(parts[i]);
-        if (host == nullptr) return absl::InternalError("weight " + parts[i] + " missing on the host");
         weights_[parts[i]] = dev + i * n;
         weight_bytes_ += n * static_cast<int64_t>(sizeof(float));
+        if (const StoredMatrix* matrix = model_->Matrix(parts[i]); matrix != nullptr) {
+          if (auto s = UploadWidened(*matrix, dev + i * n); !s.ok()) return s;
+          continue;
+        }
+        const float* host = model_->Small(parts[i]);
+        if (host == nullptr) return absl::InternalError("weight " + parts[i] + " missing on the host");
         // On the work stream: a plain cudaMemcpy runs on the legacy stream, which does not order
         // the non-blocking work stream's first kernels after the copy.
         RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev + i * n, host, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
@@ -211,6 +215,8 @@ class CudaBackend final : public Backend {
 #else
   std::string device() const override { return absl::StrCat("cuda:", device_); }
 #endif
+  std::string weights_dtype() const override { return cpu::WeightTypeName(options_.weight_type); }
+  std::string kv_cache_dtype() const override { return cpu::KvTypeName(options_.kv_type); }
   const KvCacheConfig& kv_cache() const override { return kv_; }
   BackendMemory memory() const override {
     BackendMemory m;
@@ -275,14 +281,15 @@ class CudaBackend final : public Backend {
     StepShape s;
     const int64_t per_seq = (c.max_seq_len + kv_.block_size - 1) / kv_.block_size;
     s.tokens = options_.max_step_tokens;
-    s.kept = std::min(options_.max_step_tokens, options_.max_step_seqs);
+    // Every row's logits can be kept (prompt log-probabilities, Score): up to a row per token.
+    s.kept = options_.max_step_tokens;
     s.tables = int64_t{options_.max_step_seqs} * per_seq;
     s.max_keys = c.max_seq_len;
     if (c.encoder_decoder) {
-      // The scheduler charges an admitted input to the step's token budget, but an input longer
-      // than the budget still encodes whole (alone): up to max_seq_len rows. Cross tables too.
-      s.encoded = std::max<int64_t>(options_.max_step_tokens, c.max_seq_len);
-      s.tokens = s.encoded;
+      // The scheduler's encoder budget, and an input longer than it encodes whole (alone): up to
+      // max_seq_len rows. Cross tables too.
+      s.encoded = std::max<int64_t>(options_.max_step_encoder_tokens, c.max_seq_len);
+      s.tokens = std::max<int64_t>(s.encoded, options_.max_step_tokens);
       s.tables *= 2;
     }
     return s;
@@ -316,7 +323,6 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  const float* Host(const std::string& name) const;
   const float* W(const std::string& name) const {
     auto it = weights_.find(name);
     return it == weights_.end() ? nullptr : it->second;
@@ -331,21 +337,44 @@ class CudaBackend final : public Backend {
     }
     return false;
   }
+  // Rows of stored matrix `m` go up in chunks of about kUploadChunk bytes, each row widened by
+  // `convert` into a host buffer of T: the host never holds more than a chunk of any matrix, and its
+  // mapped pages leave resident memory once it is on the device.
+  static constexpr int64_t kUploadChunk = int64_t{16} << 20;
+  template <typename T, typename Convert>
+  absl::Status UploadRows(const StoredMatrix& m, T* dev, Convert convert) {
+    const int64_t rows_per = std::max<int64_t>(1, kUploadChunk / static_cast<int64_t>(m.cols * sizeof(T)));
+    std::vector<float> row(static_cast<size_t>(m.cols));
+    std::vector<T> chunk(static_cast<size_t>(std::min(rows_per, m.rows) * m.cols));
+    for (int64_t r0 = 0; r0 < m.rows; r0 += rows_per) {
+      const int64_t n = std::min(rows_per, m.rows - r0);
+      for (int64_t r = 0; r < n; ++r) {
+        m.Widen(r0 + r, 1, row.data());
+        for (int64_t c = 0; c < m.cols; ++c) chunk[r * m.cols + c] = convert(row[c]);
+      }
+      RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev + r0 * m.cols, chunk.data(), n * m.cols * sizeof(T),
+                                         cudaMemcpyHostToDevice, stream_));
+      RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));  // `chunk` is pageable and is refilled
+    }
+    m.ReleasePages();
+    return absl::OkStatus();
+  }
+  absl::Status UploadWidened(const StoredMatrix& m, float* dev) {
+    return UploadRows(m, dev, [](float x) { return x; });
+  }
   // `names` (n elements each, from the host) side by side in one bf16 allocation, rounded as the
   // CPU backend rounds its bf16 weights.
   absl::Status UploadBf16(const std::vector<std::string>& names, int64_t n) {
     void*& dev = owned16_.emplace_back(nullptr);
     RELGEN_CUDA_RETURN(cudaMalloc(&dev, names.size() * n * sizeof(uint16_t)));
-    std::vector<uint16_t> bits(names.size() * n);
     for (size_t i = 0; i < names.size(); ++i) {
-      const float* src = Host(names[i]);
-      if (src == nullptr) return absl::InternalError("weight " + names[i] + " missing on the host");
-      for (int64_t e = 0; e < n; ++e) bits[i * n + e] = cpu::ToBf16(src[e]);
-      weights16_[names[i]] = static_cast<const uint16_t*>(dev) + i * n;
+      const StoredMatrix* m = names[i] == "lm_head.weight" ? &model_->lm_head() : model_->Matrix(names[i]);
+      if (m == nullptr) return absl::InternalError("weight " + names[i] + " missing on the host");
+      uint16_t* part = static_cast<uint16_t*>(dev) + i * n;
+      if (auto s = UploadRows(*m, part, [](float x) { return cpu::ToBf16(x); }); !s.ok()) return s;
+      weights16_[names[i]] = part;
     }
-    weight_bytes_ += static_cast<int64_t>(bits.size() * sizeof(uint16_t));
-    RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, bits.data(), bits.size() * sizeof(uint16_t), cudaMemcpyHostToDevice, stream_));
-    RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));  // `bits` is pageable and goes out of scope
+    weight_bytes_ += static_cast<int64_t>(names.size() * n * sizeof(uint16_t));
     return absl::OkStatus();
   }
   // f(the matrix `name` as stored): a const uint16_t* (bf16 bits) or a const float*.
@@ -505,54 +534,6 @@ class CudaBackend final : public Backend {
   DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_;
   std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
 };
-
-const float* CudaBackend::Host(const std::string& full_name) const {
-  // Model's host weights by name, through the same layout the CPU backend reads.
-  const ModelConfig& c = model_->config();
-  // "encoder.": the encoder's stack of an encoder-decoder model (layers, shared relative table,
-  // final norm), its names otherwise the decoder's.
-  const bool encoder = c.encoder_decoder && full_name.rfind("encoder.", 0) == 0;
-  const std::string name = encoder ? full_name.substr(8) : full_name;
-  if (encoder) {
-    if (name == "final_norm.weight") return model_->encoder_final_norm_w();
-    if (name == "final_norm.bias") return model_->encoder_final_norm_b();
-  } else {
-    if (name == "embed.weight") return model_->embed();
-    if (name == "embed_norm.weight") return model_->embed_norm_w();
-    if (name == "embed_norm.bias") return model_->embed_norm_b();
-    if (name == "final_norm.weight") return model_->final_norm_w();
-    if (name == "final_norm.bias") return model_->final_norm_b();
-    if (name == "lm_head.weight") return model_->lm_head();
-  }
-  const std::string rel_prefix = "attn.";
-  const int layers = encoder ? c.n_encoder_layers : c.n_layers;
-  auto layer = [&](int l) -> const LayerWeights& { return encoder ? model_->encoder_layer(l) : model_->layer(l); };
-  if (name.rfind("layers.", 0) != 0) {  // shared relative tables
-    if (layers < 1) return nullptr;
-    const LayerWeights& lw = layer(0);
-    if (name == rel_prefix + "rel_k") return lw.rel_k;
-    if (name == rel_prefix + "rel_v") return lw.rel_v;
-    if (name == rel_prefix + "rel_bias") return lw.rel_bias;
-    return nullptr;
-  }
-  const size_t dot = name.find('.', 7);
-  const int l = std::stoi(name.substr(7, dot - 7));
-  if (l < 0 || l >= layers) return nullptr;
-  const LayerWeights& w = layer(l);
-  const std::string rest = name.substr(dot + 1);
-  const std::unordered_map<std::string, const float*> by_name = {
-      {"attn_norm.weight", w.attn_norm_w}, {"attn_norm.bias", w.attn_norm_b}, {"attn.q.weight", w.wq},
-      {"attn.q.bias", w.bq}, {"attn.k.weight", w.wk}, {"attn.k.bias", w.bk}, {"attn.v.weight", w.wv},
-      {"attn.v.bias", w.bv}, {"attn.o.weight", w.wo}, {"attn.o.bias", w.bo}, {"ffn_norm.weight", w.ffn_norm_w},
-      {"ffn_norm.bias", w.ffn_norm_b}, {"ffn.up.weight", w.w_up}, {"ffn.up.bias", w.b_up},
-      {"ffn.gate.weight", w.w_gate}, {"ffn.gate.bias", w.b_gate}, {"ffn.down.weight", w.w_down},
-      {"ffn.down.bias", w.b_down}, {"attn.rel_k", w.rel_k}, {"attn.rel_v", w.rel_v}, {"attn.rel_bias", w.rel_bias},
-      {"cross_norm.weight", w.cross_norm_w}, {"cross_norm.bias", w.cross_norm_b}, {"cross.q.weight", w.cq},
-      {"cross.q.bias", w.cq_b}, {"cross.k.weight", w.ck}, {"cross.k.bias", w.ck_b}, {"cross.v.weight", w.cv},
-      {"cross.v.bias", w.cv_b}, {"cross.o.weight", w.co}, {"cross.o.bias", w.co_b}};
-  auto it = by_name.find(rest);
-  return it == by_name.end() ? nullptr : it->second;
-}
 
 absl::Status CudaBackend::FeedForward(const std::string& p, int rows) {
   const ModelConfig& c = model_->config();

@@ -34,6 +34,7 @@ struct CudaOptions {
   // are allocated at start, so no step can run out of device memory later.
   int max_step_tokens = 512;
   int max_step_seqs = 64;
+  int max_step_encoder_tokens = 2048;  // input tokens encoded in one step (the scheduler's budget)
   // Left free for cuBLAS's workspace and the allocator's slack.
   int64_t headroom_bytes = int64_t{64} << 20;
   // Decode steps (one new token per sequence, nothing to encode) run as a CUDA graph captured once

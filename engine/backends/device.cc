@@ -12,6 +12,15 @@
 
 namespace relgen {
 
+std::string AutoWeightsDtype(const Model& model, const std::string& cuda_gemm) {
+  // bf16 weights compute exactly what a bf16 checkpoint stores, in half the bytes of float32, on
+  // both devices (cuBLAS's projections take float32 only). float16 is widened: relgen has no float16
+  // kernel, and bf16 would lose three of its mantissa bits.
+  return model.file_dtype() == DType::kBF16 && cuda_gemm != "cublas" ? "bf16" : "f32";
+}
+
+std::string AutoKvDtype(const Model& model) { return model.file_dtype() == DType::kBF16 ? "bf16" : "f32"; }
+
 absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& o) {
   const ModelConfig& c = model->config();
   std::string device = o.device;
@@ -26,15 +35,17 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     return absl::InvalidArgumentError(absl::StrCat("--device ", o.device, ": allowed auto, cpu, cuda, cuda:N"));
   }
   cpu::WeightType weights;
-  if (!cpu::ParseWeightType(o.weights_dtype, &weights)) {
-    return absl::InvalidArgumentError(absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed f32, bf16, int8"));
+  const std::string weights_dtype = o.weights_dtype == "auto" ? AutoWeightsDtype(*model, o.cuda_gemm) : o.weights_dtype;
+  if (!cpu::ParseWeightType(weights_dtype, &weights)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed auto, f32, bf16, int8"));
   }
   if (o.cuda_gemm != "invariant" && o.cuda_gemm != "cublas") {
     return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm ", o.cuda_gemm, ": allowed invariant, cublas"));
   }
   cpu::KvType kv_type;
-  if (!cpu::ParseKvType(o.kv_cache_dtype, &kv_type)) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype ", o.kv_cache_dtype, ": allowed f32, bf16"));
+  if (!cpu::ParseKvType(o.kv_cache_dtype == "auto" ? AutoKvDtype(*model) : o.kv_cache_dtype, &kv_type)) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype ", o.kv_cache_dtype, ": allowed auto, f32, bf16"));
   }
 #if RELGEN_WITH_CUDA
   if (device == "auto") device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
@@ -50,9 +61,11 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     co.cublas_gemms = o.cuda_gemm == "cublas";
     co.attention_split_keys = o.cuda_split_keys;
     co.block_size = o.kv_block_size;
-    co.kv_memory_fraction = o.kv_cache_memory_fraction;
+    // The default: most of what the weights, the largest step and the headroom leave.
+    co.kv_memory_fraction = o.kv_cache_memory_fraction > 0 ? o.kv_cache_memory_fraction : kCudaKvDefaultFraction;
     co.max_step_tokens = o.max_step_tokens;
     co.max_step_seqs = o.max_step_seqs;
+    co.max_step_encoder_tokens = o.max_step_encoder_tokens;
     if (o.kv_block_size < 1) return absl::InvalidArgumentError("KV block size must be >= 1");
     if (o.kv_cache_tokens > 0) {
       const int64_t blocks = (o.kv_cache_tokens + o.kv_block_size - 1) / o.kv_block_size;
@@ -75,7 +88,8 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     return absl::UnavailableError("--device cuda: this build has no CUDA backend (built where nvcc was not found)");
   }
 #endif
-  auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size, kv_type);
+  auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size, kv_type,
+                            o.max_step_seqs);
   if (!blocks.ok()) return blocks.status();
   return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads, weights, kv_type);
 }

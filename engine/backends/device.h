@@ -10,14 +10,20 @@
 
 namespace relgen {
 
+inline constexpr double kCudaKvDefaultFraction = 0.9;
+
 struct DeviceOptions {
   std::string device = "auto";  // auto (CUDA when a device is present), cpu, cuda, cuda:N
   int64_t kv_cache_tokens = 0;  // 0: size by memory fraction (host memory or free device memory)
-  double kv_cache_memory_fraction = 0.2;
+  // 0: the device's default: on a GPU kCudaKvDefaultFraction of what the weights, the largest step's
+  // buffers and the headroom leave; on the CPU max_step_seqs whole sequences, within
+  // kCpuKvDefaultFraction of the memory available (its pages taken only as used).
+  double kv_cache_memory_fraction = 0;
   int kv_block_size = 16;
   int threads = 0;  // CPU threads
-  std::string weights_dtype = "f32";  // dense weights: f32, bf16, or on the CPU int8
-  std::string kv_cache_dtype = "f32";  // K/V cache elements: f32 or bf16
+  // Dense weights: f32, bf16, on the CPU int8, or auto (AutoWeightsDtype).
+  std::string weights_dtype = "auto";
+  std::string kv_cache_dtype = "auto";  // K/V cache elements: f32, bf16 or auto (AutoKvDtype)
   // CUDA projections: "invariant" (relgen's kernel, rows batch invariant) or "cublas"
   // (CudaOptions::cublas_gemms).
   std::string cuda_gemm = "invariant";
@@ -26,7 +32,14 @@ struct DeviceOptions {
   // backend allocates its buffers at start.
   int max_step_tokens = 512;
   int max_step_seqs = 64;
+  int max_step_encoder_tokens = 2048;  // --max_encoder_tokens
 };
+
+// The defaults per checkpoint: a bf16 checkpoint computes from bf16 weights (unless the CUDA
+// projections are cuBLAS's, which take float32) and keeps bf16 K/V; float32 and float16
+// checkpoints compute in float32 with float32 K/V, so no default loses the checkpoint's precision.
+std::string AutoWeightsDtype(const Model& model, const std::string& cuda_gemm);
+std::string AutoKvDtype(const Model& model);
 
 absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& options);
 

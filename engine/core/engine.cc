@@ -146,6 +146,8 @@ Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> back
   config_.scheduler.block_size = backend_->kv_cache().block_size;
   stats_.kv_blocks_total = allocator_.num_blocks();
   stats_.device = backend_->device();
+  stats_.weights_dtype = backend_->weights_dtype();
+  stats_.kv_cache_dtype = backend_->kv_cache_dtype();
   stats_.memory = backend_->memory();
   if (config_.background_thread) thread_ = std::thread([this] { Loop(); });
 }
@@ -247,9 +249,14 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
       }
       const int need = BlocksForTokens(len, bs) + (c.encoder_decoder ? BlocksForTokens(n, bs) : 0);
       if (need > allocator_.num_blocks()) {
-        return absl::InvalidArgumentError(absl::StrCat("continuation ", i, ": ", len,
-                                                       " tokens can never fit the KV cache of ",
-                                                       int64_t{allocator_.num_blocks()} * bs, " tokens"));
+        const int64_t pool = int64_t{allocator_.num_blocks()} * bs;
+        const int64_t room = c.encoder_decoder ? pool - int64_t{BlocksForTokens(n, bs)} * bs - 1 : pool - n;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "continuation ", i, ": ", len, " tokens can never fit the KV cache of ", pool, " tokens; ",
+            room > 0 ? absl::StrCat("shorten continuation ", i, " to at most ", room, " tokens")
+                     : absl::StrCat("shorten the ", c.encoder_decoder ? "input" : "context", " to under ",
+                                    c.encoder_decoder ? pool / 2 : pool, " tokens"),
+            ", or start the server with a larger --kv_cache_tokens"));
       }
     }
   } else {
@@ -271,10 +278,17 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
     const int need = c.encoder_decoder ? BlocksForTokens(n, bs) + BlocksForTokens(r.stop.max_new_tokens, bs)
                                        : BlocksForTokens(n + r.stop.max_new_tokens, bs);
     if (need > allocator_.num_blocks()) {
-      return absl::InvalidArgumentError(absl::StrCat(c.encoder_decoder ? "input + max_new_tokens" : "prompt + max_new_tokens",
-                                                     " = ", n + r.stop.max_new_tokens,
-                                                     " tokens can never fit the KV cache of ",
-                                                     int64_t{allocator_.num_blocks()} * bs, " tokens"));
+      // What max_new_tokens could be with this prompt, or, if none, how short the prompt must be.
+      const int64_t pool = int64_t{allocator_.num_blocks()} * bs;
+      const int64_t room = c.encoder_decoder ? pool - int64_t{BlocksForTokens(n, bs)} * bs : pool - n;
+      const char* const prompt = c.encoder_decoder ? "input" : "prompt";
+      return absl::InvalidArgumentError(absl::StrCat(
+          prompt, " (", n, " tokens) + max_new_tokens (", r.stop.max_new_tokens, ") = ", n + r.stop.max_new_tokens,
+          " tokens can never fit the KV cache of ", pool, " tokens; ",
+          room >= 1 ? absl::StrCat("set max_new_tokens to at most ", room, " or shorten the ", prompt)
+                    : absl::StrCat("shorten the ", prompt, " to under ", c.encoder_decoder ? pool - bs : pool,
+                                   " tokens"),
+          ", or start the server with a larger --kv_cache_tokens"));
     }
   }
   const SamplingParams& p = r.sampling;

@@ -177,6 +177,7 @@ struct EngineStats {
   int64_t preemptions = 0;
   int64_t finished = 0;
   std::string device;
+  std::string weights_dtype, kv_cache_dtype;  // what the backend computes from (Backend)
   BackendMemory memory;
 };
 

@@ -33,19 +33,22 @@ Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const Sc
   if (!out.preempted.empty()) return out;
 
   int num_running = static_cast<int>(running.size());
+  int encoder_budget = config.max_encoder_tokens;
   for (const SchedSeq& w : waiting) {
     if (budget <= 0 || num_running >= config.max_num_seqs) break;
     // A sequence that already holds its input's K/V (shared by the sequence it was forked from) is not
     // encoded again.
     const bool encoded = w.encoder_blocks > 0;
-    const int encode = encoded ? 0 : std::min(w.encoder_tokens, config.max_batch_tokens - 1);
-    if (encode > budget - 1) break;  // the input and at least one decoder token
-    const int chunk = std::min(w.num_tokens - w.num_computed, budget - encode);
+    const int encode = encoded ? 0 : w.encoder_tokens;
+    // Within the encoder budget, or alone: a longer input waits for a step that encodes nothing else.
+    if (encode > encoder_budget && encoder_budget < config.max_encoder_tokens) break;
+    const int chunk = std::min(w.num_tokens - w.num_computed, budget);
     const int need = BlocksForTokens(w.num_computed + chunk, config.block_size) - w.num_blocks;
     const int cross = encoded ? 0 : BlocksForTokens(w.encoder_tokens, config.block_size);
     if (need + cross + w.cached_blocks > free) break;
     free -= need + cross + w.cached_blocks;
-    budget -= encode + chunk;
+    budget -= chunk;
+    encoder_budget -= encode;
     ++num_running;
     out.chunks.push_back({w.id, chunk, need, true, cross});
   }

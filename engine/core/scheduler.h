@@ -20,6 +20,10 @@ namespace relgen {
 struct SchedulerConfig {
   int max_num_seqs = 64;        // running sequences at once
   int max_batch_tokens = 512;   // tokens computed per step (prompt chunks + decode tokens)
+  // Encoder-decoder models: input tokens encoded per step, a budget of its own, so admitting
+  // inputs never takes the running sequences' decode tokens. An input longer than it still
+  // encodes, as the step's only one.
+  int max_encoder_tokens = 2048;
   int block_size = 16;
 };
 
@@ -30,8 +34,8 @@ struct SchedSeq {
   int num_blocks = 0;    // blocks held for those tokens
   // Encoder-decoder models: the input's length. A sequence is encoded whole in the step that
   // admits it (bidirectional attention cannot be split into chunks: every position needs every
-  // other), which charges min(encoder_tokens, max_batch_tokens - 1) to that step's budget (a longer input
-  // still encodes, in a step of its own) and allocates
+  // other), which charges encoder_tokens to that step's encoder budget (max_encoder_tokens; a
+  // longer input encodes alone) and its decoder's first token to the token budget, and allocates
   // the blocks of the input's cross-attention K/V; those are held (`encoder_blocks`) until the
   // sequence finishes or is preempted.
   int encoder_tokens = 0;

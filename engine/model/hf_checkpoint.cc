@@ -110,6 +110,13 @@ class Weights {
     return it == tensors_.end() ? nullptr : it->second.info;
   }
   const std::string& FileOf(const std::string& name) const { return tensors_.at(name).file; }
+  // The mapped files, kept alive by whoever holds the returned owners.
+  std::vector<std::shared_ptr<const void>> TakeFiles() {
+    std::vector<std::shared_ptr<const void>> owners;
+    for (auto& f : files_) owners.push_back(std::shared_ptr<const SafetensorsFile>(std::move(f)));
+    files_.clear();
+    return owners;
+  }
   std::vector<std::string> Names() const {
     std::vector<std::string> names;
     for (const auto& [n, e] : tensors_) names.push_back(n);
@@ -602,7 +609,6 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
   if (!weights.ok()) return weights.status();
   const std::string prefix = weights->Find("transformer." + family.embed) != nullptr ? "transformer." : "";
   std::set<std::string> used;
-  std::map<std::string, std::vector<float>> converted;  // by Hugging Face name: a fused QKV serves three
   const std::vector<TensorSpec> specs = ExpectedTensors(c);
   for (const TensorSpec& spec : specs) {
     Source src;
@@ -634,39 +640,23 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
     }
     if (auto st = CheckFloatTensor(*t, name, shape, weights->FileOf(name)); !st.ok()) return st;
     used.insert(name);
-    auto it = converted.find(name);
-    if (it == converted.end()) {
+    if (src.split == Split::kTranspose) {  // T5's bias table [buckets, heads] -> [heads, buckets] (small)
       auto v = ToFloat32(*t);
       if (!v.ok()) return v.status();
-      it = converted.emplace(name, *std::move(v)).first;
-    }
-    if (src.split == Split::kNone) {  // each whole tensor serves once
-      out.tensors.emplace(spec.name, std::move(it->second));
-      converted.erase(it);
-      continue;
-    }
-    if (src.split == Split::kTranspose) {  // T5's bias table [buckets, heads] -> [heads, buckets]
       const int64_t rows = shape[0], cols = shape[1];
-      std::vector<float> t(it->second.size());
+      std::vector<float> tr(v->size());
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t col = 0; col < cols; ++col) t[col * rows + r] = it->second[r * cols + col];
+        for (int64_t col = 0; col < cols; ++col) tr[col * rows + r] = (*v)[r * cols + col];
       }
-      out.tensors.emplace(spec.name, std::move(t));
-      converted.erase(it);
+      out.tensors.small.emplace(spec.name, std::move(tr));
       continue;
     }
-    const std::vector<float>& all = it->second;
-    // Rows of the fused projection: BLOOM interleaves per head ([heads, 3, head_dim]); MPT chunks
-    // ([3, heads * head_dim]). A bias is a matrix of one column.
-    const int64_t cols = shape.size() > 1 ? shape[1] : 1;
-    const int64_t hd = c.head_dim, w = c.qkv_width();
-    std::vector<float> part(static_cast<size_t>(w * cols));
-    for (int64_t r = 0; r < w; ++r) {
-      const int64_t from = src.split == Split::kChunked ? src.part * w + r : (r / hd * 3 + src.part) * hd + r % hd;
-      std::copy_n(all.begin() + from * cols, cols, part.begin() + r * cols);
-    }
-    out.tensors.emplace(spec.name, std::move(part));
-    if (src.part == 2) converted.erase(it);  // v is the fused tensor's last use
+    // Rows of a fused projection: BLOOM interleaves per head ([heads, 3, head_dim]); MPT chunks
+    // ([3, heads * head_dim]). A bias is a matrix of one column. Each part is a view of the fused bytes.
+    const StoredMatrix::Rows layout = src.split == Split::kNone      ? StoredMatrix::Rows::kAll
+                                      : src.split == Split::kChunked ? StoredMatrix::Rows::kChunked
+                                                                     : StoredMatrix::Rows::kHeadInterleaved;
+    if (auto st = AddStored(spec.name, *t, &out.tensors, layout, src.part, c.head_dim); !st.ok()) return st;
   }
   // A tied head may still be stored; transformers ties it to the embedding regardless.
   if (c.tie_embeddings && weights->Find("lm_head.weight") != nullptr) used.insert("lm_head.weight");
@@ -679,6 +669,7 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
   }
   const TensorInfo* embed = weights->Find(prefix + family.embed);
   out.file_dtype = embed->dtype;
+  out.tensors.owners = weights->TakeFiles();
   return out;
 }
 

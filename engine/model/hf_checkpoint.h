@@ -17,7 +17,7 @@ namespace relgen {
 
 struct HfCheckpoint {
   ModelConfig config;
-  TensorMap tensors;  // relgen names, float32
+  StoredTensors tensors;  // relgen names, as stored (views of the mapped files, which it keeps alive)
   DType file_dtype = DType::kF32;
 };
 

@@ -1,6 +1,10 @@
 #include "engine/model/model.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include "absl/status/status.h"
@@ -10,6 +14,61 @@
 #include "kernels/relpos_host.h"
 
 namespace relgen {
+
+void StoredMatrix::Widen(int64_t row0, int64_t n, float* out) const {
+  const int es = DTypeSize(dtype);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* src = data + SourceRow(row0 + r) * cols * es;
+    float* o = out + r * cols;
+    if (dtype == DType::kF32) {
+      std::memcpy(o, src, cols * sizeof(float));
+      continue;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      uint16_t bits;
+      std::memcpy(&bits, src + c * 2, 2);
+      o[c] = dtype == DType::kBF16 ? BFloat16ToFloat(bits) : HalfToFloat(bits);
+    }
+  }
+}
+
+std::vector<float> StoredMatrix::ToFloat() const {
+  std::vector<float> v(static_cast<size_t>(numel()));
+  Widen(0, rows, v.data());
+  return v;
+}
+
+int64_t StoredMatrix::FirstNonFinite() const {
+  std::vector<float> row(static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    Widen(r, 1, row.data());
+    for (int64_t c = 0; c < cols; ++c) {
+      if (!std::isfinite(row[c])) return r * cols + c;
+    }
+  }
+  return -1;
+}
+
+void StoredMatrix::ReleasePages() const {
+  if (!mapped || data == nullptr) return;
+  // The whole stored tensor (a fused one's three parts too); only pages it covers entirely.
+  const int64_t span = (layout == Rows::kAll ? 1 : 3) * bytes();
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + span) / page * page;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
+bool IsStoredMatrix(const std::string& name) {
+  if (name == "embed.weight" || name == "lm_head.weight") return true;
+  for (const char* suffix : {"attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight", "ffn.up.weight",
+                             "ffn.gate.weight", "ffn.down.weight", "cross.q.weight", "cross.k.weight",
+                             "cross.v.weight", "cross.o.weight"}) {
+    const size_t n = std::strlen(suffix);
+    if (name.size() >= n && name.compare(name.size() - n, n, suffix) == 0) return true;
+  }
+  return false;
+}
 
 std::string ShapeStr(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
 
@@ -83,9 +142,20 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
   return specs;
 }
 
-const float* Model::Get(const std::string& name) const {
-  auto it = storage_.find(name);
-  return it == storage_.end() ? nullptr : it->second.data();
+const float* Model::Get(const std::string& name) const { return Small(name); }
+
+const float* Model::Small(const std::string& name) const {
+  auto it = storage_.small.find(name);
+  return it == storage_.small.end() ? nullptr : it->second.data();
+}
+
+const StoredMatrix* Model::Matrix(const std::string& name) const {
+  auto it = storage_.matrices.find(name);
+  return it == storage_.matrices.end() ? nullptr : &it->second;
+}
+
+void Model::ReleasePages() const {
+  for (const auto& [name, m] : storage_.matrices) m.ReleasePages();
 }
 
 absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& dir) {
@@ -94,7 +164,7 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& dir)
   if (*hf) {
     auto ckpt = LoadHfCheckpoint(dir);
     if (!ckpt.ok()) return ckpt.status();
-    return FromTensors(std::move(ckpt->config), std::move(ckpt->tensors), ckpt->file_dtype, dir, dir);
+    return FromStored(std::move(ckpt->config), std::move(ckpt->tensors), ckpt->file_dtype, dir, dir);
   }
   auto config = LoadModelConfig(dir + "/config.json");
   if (!config.ok()) return config.status();
@@ -118,7 +188,7 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromFiles(ModelConfig config
                               ": this config does not use it (see docs/model-format.md)"));
     }
   }
-  TensorMap tensors;
+  StoredTensors tensors;
   for (const TensorSpec& spec : specs) {
     const TensorInfo* t = (*file)->Find(spec.name);
     if (t == nullptr) {
@@ -126,12 +196,32 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromFiles(ModelConfig config
                               ", dtype F32, F16 or BF16)"));
     }
     if (auto s = CheckFloatTensor(*t, spec.name, spec.shape, weights_path); !s.ok()) return s;
-    auto values = ToFloat32(*t);
-    if (!values.ok()) return values.status();
-    tensors.emplace(spec.name, *std::move(values));
+    if (auto st = AddStored(spec.name, *t, &tensors); !st.ok()) return st;
   }
   const DType dtype = specs.empty() ? DType::kF32 : (*file)->Find(specs.front().name)->dtype;
-  return FromTensors(std::move(config), std::move(tensors), dtype, weights_path, std::move(dir));
+  tensors.owners.push_back(std::shared_ptr<const SafetensorsFile>(*std::move(file)));
+  return FromStored(std::move(config), std::move(tensors), dtype, weights_path, std::move(dir));
+}
+
+absl::Status AddStored(const std::string& name, const TensorInfo& t, StoredTensors* out, StoredMatrix::Rows layout,
+                       int part, int64_t head_dim) {
+  StoredMatrix m;
+  m.dtype = t.dtype;
+  m.data = t.data;
+  m.mapped = true;
+  m.rows = t.shape.empty() ? 1 : t.shape[0];
+  m.cols = 1;
+  for (size_t i = 1; i < t.shape.size(); ++i) m.cols *= t.shape[i];
+  m.layout = layout;
+  m.part = part;
+  m.head_dim = head_dim;
+  if (layout != StoredMatrix::Rows::kAll) m.rows /= 3;
+  if (IsStoredMatrix(name)) {
+    out->matrices.emplace(name, m);
+  } else {
+    out->small.emplace(name, m.ToFloat());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckFloatTensor(const TensorInfo& t, absl::string_view name, const std::vector<int64_t>& shape,
@@ -150,22 +240,70 @@ absl::Status CheckFloatTensor(const TensorInfo& t, absl::string_view name, const
 absl::StatusOr<std::shared_ptr<const Model>> Model::FromTensors(ModelConfig config, TensorMap tensors,
                                                                 DType file_dtype, const std::string& origin,
                                                                 std::string dir) {
+  // Matrices keep their float32 vectors alive as owners; the rest are the small tensors themselves.
+  StoredTensors stored;
+  for (auto& [name, values] : tensors) {
+    if (!IsStoredMatrix(name)) {
+      stored.small.emplace(name, std::move(values));
+      continue;
+    }
+    auto owned = std::make_shared<std::vector<float>>(std::move(values));
+    StoredMatrix m;
+    m.data = reinterpret_cast<const uint8_t*>(owned->data());
+    m.rows = static_cast<int64_t>(owned->size());  // shaped below, against the spec
+    m.cols = 1;
+    stored.matrices.emplace(name, m);
+    stored.owners.push_back(std::move(owned));
+  }
+  for (const TensorSpec& spec : ExpectedTensors(config)) {
+    auto it = stored.matrices.find(spec.name);
+    if (it == stored.matrices.end() || spec.shape.size() != 2) continue;
+    if (it->second.rows == spec.shape[0] * spec.shape[1]) {
+      it->second.rows = spec.shape[0];
+      it->second.cols = spec.shape[1];
+    }
+  }
+  return FromStored(std::move(config), std::move(stored), file_dtype, origin, std::move(dir));
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> Model::FromStored(ModelConfig config, StoredTensors tensors,
+                                                               DType file_dtype, const std::string& origin,
+                                                               std::string dir) {
   const std::vector<TensorSpec> specs = ExpectedTensors(config);
   std::shared_ptr<Model> m(new Model());
   m->config_ = std::move(config);
   m->dir_ = std::move(dir);
   m->file_dtype_ = file_dtype;
   auto bad = [&](absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat(origin, ": ", what)); };
+  std::set<std::string> expected;
   for (const TensorSpec& spec : specs) {
-    auto it = tensors.find(spec.name);
+    expected.insert(spec.name);
     int64_t numel = 1;
     for (int64_t n : spec.shape) numel *= n;
-    if (it == tensors.end()) return bad(absl::StrCat("missing tensor '", spec.name, "' ", ShapeStr(spec.shape)));
+    if (auto mit = tensors.matrices.find(spec.name); mit != tensors.matrices.end()) {
+      const StoredMatrix& sm = mit->second;
+      if (spec.shape.size() != 2 || sm.rows != spec.shape[0] || sm.cols != spec.shape[1]) {
+        return bad(absl::StrCat("tensor '", spec.name, "' has ", sm.numel(), " values; the config requires ",
+                                ShapeStr(spec.shape)));
+      }
+      // A flipped exponent bit reads as inf or NaN: refuse rather than serve garbage.
+      if (const int64_t at = sm.FirstNonFinite(); at >= 0) {
+        std::vector<float> row(static_cast<size_t>(sm.cols));
+        sm.Widen(at / sm.cols, 1, row.data());
+        return bad(absl::StrCat("tensor '", spec.name, "' holds ", row[at % sm.cols], " at element ", at,
+                                "; weights must be finite (corrupt file?)"));
+      }
+      sm.ReleasePages();  // read once for the check; a backend reads them again as it packs
+      m->num_parameters_ += numel;
+      m->stored_bytes_ += sm.bytes();
+      continue;
+    }
+    auto it = tensors.small.find(spec.name);
+    if (it == tensors.small.end()) return bad(absl::StrCat("missing tensor '", spec.name, "' ", ShapeStr(spec.shape)));
     if (static_cast<int64_t>(it->second.size()) != numel) {
       return bad(absl::StrCat("tensor '", spec.name, "' has ", it->second.size(), " values; the config requires ",
                               ShapeStr(spec.shape)));
     }
-    // A flipped exponent bit reads as inf or NaN: refuse rather than serve garbage.
     for (size_t i = 0; i < it->second.size(); ++i) {
       if (!std::isfinite(it->second[i])) {
         return bad(absl::StrCat("tensor '", spec.name, "' holds ", it->second[i], " at element ", i,
@@ -173,20 +311,24 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromTensors(ModelConfig conf
       }
     }
     m->num_parameters_ += numel;
-    m->storage_.emplace(spec.name, std::move(it->second));
-    tensors.erase(it);
+    m->stored_bytes_ += numel * DTypeSize(file_dtype);
+    m->small_bytes_ += numel * static_cast<int64_t>(sizeof(float));
   }
-  if (!tensors.empty()) {
-    return bad(absl::StrCat("unexpected tensor '", tensors.begin()->first, "': this config does not use it"));
+  for (const auto& [name, t] : tensors.matrices) {
+    if (!expected.contains(name)) return bad(absl::StrCat("unexpected tensor '", name, "': this config does not use it"));
   }
+  for (const auto& [name, t] : tensors.small) {
+    if (!expected.contains(name)) return bad(absl::StrCat("unexpected tensor '", name, "': this config does not use it"));
+  }
+  m->storage_ = std::move(tensors);
 
   const ModelConfig& c = m->config_;
-  m->embed_ = m->Get("embed.weight");
+  m->embed_ = m->Matrix("embed.weight");
   m->embed_norm_w_ = m->Get("embed_norm.weight");
   m->embed_norm_b_ = m->Get("embed_norm.bias");
   m->final_norm_w_ = m->Get("final_norm.weight");
   m->final_norm_b_ = m->Get("final_norm.bias");
-  m->lm_head_ = c.tie_embeddings ? m->embed_ : m->Get("lm_head.weight");
+  m->lm_head_ = c.tie_embeddings ? m->embed_ : m->Matrix("lm_head.weight");
   auto stack = [&](const std::string& s, int layers, std::vector<LayerWeights>* out) {
     out->resize(layers);
     for (int l = 0; l < layers; ++l) {
@@ -195,34 +337,34 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromTensors(ModelConfig conf
       LayerWeights& lw = (*out)[l];
       lw.attn_norm_w = m->Get(p + "attn_norm.weight");
       lw.attn_norm_b = m->Get(p + "attn_norm.bias");
-      lw.wq = m->Get(p + "attn.q.weight");
+      lw.wq = m->Matrix(p + "attn.q.weight");
       lw.bq = m->Get(p + "attn.q.bias");
-      lw.wk = m->Get(p + "attn.k.weight");
+      lw.wk = m->Matrix(p + "attn.k.weight");
       lw.bk = m->Get(p + "attn.k.bias");
-      lw.wv = m->Get(p + "attn.v.weight");
+      lw.wv = m->Matrix(p + "attn.v.weight");
       lw.bv = m->Get(p + "attn.v.bias");
-      lw.wo = m->Get(p + "attn.o.weight");
+      lw.wo = m->Matrix(p + "attn.o.weight");
       lw.bo = m->Get(p + "attn.o.bias");
       lw.ffn_norm_w = m->Get(p + "ffn_norm.weight");
       lw.ffn_norm_b = m->Get(p + "ffn_norm.bias");
-      lw.w_up = m->Get(p + "ffn.up.weight");
+      lw.w_up = m->Matrix(p + "ffn.up.weight");
       lw.b_up = m->Get(p + "ffn.up.bias");
-      lw.w_gate = m->Get(p + "ffn.gate.weight");
+      lw.w_gate = m->Matrix(p + "ffn.gate.weight");
       lw.b_gate = m->Get(p + "ffn.gate.bias");
-      lw.w_down = m->Get(p + "ffn.down.weight");
+      lw.w_down = m->Matrix(p + "ffn.down.weight");
       lw.b_down = m->Get(p + "ffn.down.bias");
       lw.rel_k = m->Get(rp + "rel_k");
       lw.rel_v = m->Get(rp + "rel_v");
       lw.rel_bias = m->Get(rp + "rel_bias");
       lw.cross_norm_w = m->Get(p + "cross_norm.weight");
       lw.cross_norm_b = m->Get(p + "cross_norm.bias");
-      lw.cq = m->Get(p + "cross.q.weight");
+      lw.cq = m->Matrix(p + "cross.q.weight");
       lw.cq_b = m->Get(p + "cross.q.bias");
-      lw.ck = m->Get(p + "cross.k.weight");
+      lw.ck = m->Matrix(p + "cross.k.weight");
       lw.ck_b = m->Get(p + "cross.k.bias");
-      lw.cv = m->Get(p + "cross.v.weight");
+      lw.cv = m->Matrix(p + "cross.v.weight");
       lw.cv_b = m->Get(p + "cross.v.bias");
-      lw.co = m->Get(p + "cross.o.weight");
+      lw.co = m->Matrix(p + "cross.o.weight");
       lw.co_b = m->Get(p + "cross.o.bias");
     }
   };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <cstdlib>
@@ -253,15 +254,23 @@ int WeightTypeBytes(WeightType t) {
   return 4;
 }
 
-PackedMatrix::PackedMatrix(const float* w, int n, int k, WeightType type) : n_(n), k_(k), type_(type) {
+PackedMatrix::PackedMatrix(const float* w, int n, int k, WeightType type)
+    : PackedMatrix(n, k, type, [w, k](int o, float* out) {
+        std::memcpy(out, w + static_cast<int64_t>(o) * k, static_cast<size_t>(k) * sizeof(float));
+      }) {}
+
+PackedMatrix::PackedMatrix(int n, int k, WeightType type, const std::function<void(int row, float* out)>& row_of)
+    : n_(n), k_(k), type_(type) {
   const int eb = WeightTypeBytes(type);
   const size_t bytes = (static_cast<size_t>(panels()) * k * kP * eb + 63) / 64 * 64;
   data_.reset(static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
   char* d = data_.get();
   std::memset(d, 0, bytes);
   if (type == WeightType::kInt8) scales_.assign(static_cast<size_t>(panels()) * kP, 0.0f);
+  std::vector<float> buffer(static_cast<size_t>(k));
+  const float* row = buffer.data();
   for (int o = 0; o < n; ++o) {
-    const float* row = w + static_cast<int64_t>(o) * k;
+    row_of(o, buffer.data());
     const int64_t base = static_cast<int64_t>(o / kP) * k * kP + o % kP;
     switch (type) {
       case WeightType::kF32:

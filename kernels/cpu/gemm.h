@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +29,9 @@ class PackedMatrix {
   static constexpr int kPanel = 16;
   PackedMatrix() = default;
   PackedMatrix(const float* w, int n, int k, WeightType type = WeightType::kF32);
+  // The same from rows produced one at a time: row_of(o, out) writes row o's k values to out (so a
+  // stored matrix is packed without a float32 copy of the whole).
+  PackedMatrix(int n, int k, WeightType type, const std::function<void(int row, float* out)>& row_of);
 
   int n() const { return n_; }
   int k() const { return k_; }
