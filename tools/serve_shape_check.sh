@@ -35,7 +35,7 @@ done
 t1=$(date +%s.%N)
 grep "relgen-server: model" "$log"
 g0=$(date +%s.%N)
-"$client" --server "127.0.0.1:$port" generate --max_new_tokens "$new" --temperature 0 --ignore_eos --json "The weights stay as stored" >/tmp/serve_shape_check.json
+"$client" generate --server "127.0.0.1:$port" --max_new_tokens "$new" --temperature 0 --ignore_eos --json "The weights stay as stored" >/tmp/serve_shape_check.json
 g1=$(date +%s.%N)
 hwm=$(awk '/VmHWM/ {print $2}' /proc/$pid/status)
 rss=$(awk '/VmRSS/ {print $2}' /proc/$pid/status)

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cuda/decoder_kernels.h"
@@ -328,15 +327,7 @@ class CudaBackend final : public Backend {
     return it == weights_.end() ? nullptr : it->second;
   }
   // A projection's weight matrix (and the LM head's): what --weights_dtype bf16 stores in bf16.
-  static bool IsProjection(const std::string& name) {
-    if (name == "lm_head.weight") return true;
-    for (const char* suffix : {"attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight", "ffn.up.weight",
-                               "ffn.gate.weight", "ffn.down.weight", "cross.q.weight", "cross.k.weight",
-                               "cross.v.weight", "cross.o.weight"}) {
-      if (absl::EndsWith(name, suffix)) return true;
-    }
-    return false;
-  }
+  static bool IsProjection(const std::string& name) { return name != "embed.weight" && IsStoredMatrix(name); }
   // Rows of stored matrix `m` go up in chunks of about kUploadChunk bytes, each row widened by
   // `convert` into a host buffer of T: the host never holds more than a chunk of any matrix, and its
   // mapped pages leave resident memory once it is on the device.
