@@ -169,8 +169,10 @@ TEST(HfCheckpointConfigTest, GenerationConfigOverridesTokenIds) {
 // The server started on a checkpoint directory: model info says where it came from, and a text
 // prompt (relgen's BPE) gives transformers' greedy tokens and text.
 TEST(HfServerTest, ServesACheckpointDirectoryAsItIs) {
+  int served = 0;  // a renamed or missing case must fail, not leave the loop empty
   for (const auto& c : testing::HfCases()) {
     if (c["name"] != "bloom-h6-untied" && c["name"] != "mpt-h6-bias-untied") continue;
+    ++served;
     testing::ServerProcess server;
     std::string error;
     ASSERT_TRUE(server.Start({"--model", c["sharded_dir"].get<std::string>()}, &error)) << error;
@@ -198,18 +200,22 @@ TEST(HfServerTest, ServesACheckpointDirectoryAsItIs) {
     EXPECT_EQ(resp.text(), c["text_greedy_decoded"].get<std::string>()) << c["name"];
     EXPECT_EQ(resp.usage().prompt_tokens(), static_cast<int>(c["text_ids"].size()));
   }
+  EXPECT_EQ(served, 2) << "the bloom-h6-untied and mpt-h6-bias-untied fixtures";
 }
 
 TEST(HfServerTest, BrokenCheckpointExitsAtStartWithTheReason) {
   const auto manifest = testing::ReadJson(testing::HfCasesDir() + "/manifest.json");
+  int refused = 0;
   for (const auto& bad : manifest["bad"]) {
     if (bad["name"] != "mpt-math-key" && bad["name"] != "bloom-missing-shard") continue;
+    ++refused;
     testing::ServerProcess p;
     std::string error;
     EXPECT_FALSE(p.Start({"--model", bad["dir"].get<std::string>()}, &error));
     EXPECT_EQ(p.Wait(), 1);
     for (const auto& s : bad["expect"]) EXPECT_THAT(error, HasSubstr(s.get<std::string>())) << bad["name"];
   }
+  EXPECT_EQ(refused, 2) << "the mpt-math-key and bloom-missing-shard fixtures";
 }
 
 }  // namespace

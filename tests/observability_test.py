@@ -117,8 +117,10 @@ class ObservabilityTest(unittest.TestCase):
         for _ in range(3):
             subprocess.run([os.environ["RELGEN_CLIENT_BIN"], "generate", "--server", cls.grpc, "--top_p", "2",
                             "--prompt", "x"], capture_output=True, timeout=30)
-        wait_for_data(cls.prom_port, ['relgen_requests_total{finish_reason="length"} >= 24',
-                                      'relgen_request_errors_total{code="INVALID_ARGUMENT"} >= 3'])
+        missing = wait_for_data(cls.prom_port, ['relgen_requests_total{finish_reason="length"} >= 24',
+                                                'relgen_request_errors_total{code="INVALID_ARGUMENT"} >= 3'])
+        if missing:
+            raise AssertionError(f"Prometheus never saw the first run's traffic: {missing}")
         subprocess.run([os.environ["RELGEN_BENCH_BIN"], "serve", "--server", cls.grpc, "--concurrency", "2",
                         "--num_requests", "8", "--prompt_len", "24", "--output_len", "16"],
                        check=True, capture_output=True, timeout=300)
@@ -137,6 +139,24 @@ class ObservabilityTest(unittest.TestCase):
         for args in (["check", "config", self.config], ["check", "rules", os.path.join(DEPLOY, "prometheus", "alerts.yml")]):
             r = subprocess.run(["promtool"] + args, capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_series_moved_by_the_traffic(self):
+        # The two serving runs: 32 requests of 12..36 prompt and 8..24 output tokens (the bench's
+        # lengths at its default spread of 0.5), each finishing by length; 3 refused requests.
+        # Idle, every one of these is 0 or absent, so this fails on a server that counted nothing.
+        n = 24 + 8
+        self.assertEqual(wait_for_data(self.prom_port, [
+            f'relgen_requests_total{{finish_reason="length"}} >= {n}',
+            'relgen_request_errors_total{code="INVALID_ARGUMENT"} >= 3',
+            f"relgen_prompt_tokens_total >= {n * 12}",
+            f"relgen_generation_tokens_total >= {n * 8}",
+            f"sum(relgen_time_to_first_token_seconds_count) >= {n}",
+            f"sum(relgen_e2e_request_latency_seconds_count) >= {n}",
+            f"sum(relgen_time_per_output_token_seconds_count) >= {n * 7}",
+            f"sum(relgen_request_generation_tokens_count) >= {n}",
+            f"sum(relgen_request_generation_tokens_sum) >= {n * 8}",
+            "sum(relgen_time_to_first_token_seconds_sum) > 0",
+        ]), [], "series that did not move by what the traffic implies")
 
     def test_every_expression_returns_data(self):
         self.assertEqual(wait_for_data(self.prom_port, all_exprs()), [], "expressions without data")

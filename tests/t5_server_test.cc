@@ -23,9 +23,11 @@ using ::testing::HasSubstr;
 namespace v1 = ::relgen::v1;
 
 TEST(T5ServerTest, ServesACheckpointDirectoryAsItIs) {
-  if (testing::T5Cases().empty()) GTEST_SKIP() << "no T5 fixture";
+  ASSERT_FALSE(testing::T5Cases().empty()) << "no T5 fixture (RELGEN_T5_CASES_DIR, ctest fixture t5_checkpoints)";
+  int served = 0;  // a renamed or missing case must fail, not leave the loop empty
   for (const auto& c : testing::T5Cases()) {
     if (c["name"] != "t5-v1_1" && c["name"] != "mt5") continue;
+    ++served;
     testing::ServerProcess server;
     std::string error;
     ASSERT_TRUE(server.Start({"--model", c["sharded_dir"].get<std::string>()}, &error)) << error;
@@ -62,6 +64,7 @@ TEST(T5ServerTest, ServesACheckpointDirectoryAsItIs) {
     EXPECT_EQ(m.at("relgen_encoder_tokens_total"), static_cast<double>(c["text_ids"].size()));
     EXPECT_EQ(m.at("relgen_kv_cache_blocks{state=\"used\"}"), 0);
   }
+  EXPECT_EQ(served, 2) << "the t5-v1_1 and mt5 fixtures";
 }
 
 // Score on an encoder-decoder model: the context is the encoder's input, each continuation the
@@ -69,9 +72,11 @@ TEST(T5ServerTest, ServesACheckpointDirectoryAsItIs) {
 // against the logprobs Generate reports for the same greedy tokens. prompt_logprobs has nothing to
 // score there: INVALID_ARGUMENT naming it.
 TEST(T5ServerTest, ScoreMatchesTransformersAndPromptLogprobsIsRefused) {
-  if (testing::T5Cases().empty()) GTEST_SKIP() << "no T5 fixture";
+  ASSERT_FALSE(testing::T5Cases().empty()) << "no T5 fixture (RELGEN_T5_CASES_DIR, ctest fixture t5_checkpoints)";
+  int served = 0;
   for (const auto& c : testing::T5Cases()) {
     if (c["name"] != "t5-v1_1") continue;
+    ++served;
     testing::ServerProcess server;
     std::string error;
     ASSERT_TRUE(server.Start({"--model", c["dir"].get<std::string>()}, &error)) << error;
@@ -149,19 +154,23 @@ TEST(T5ServerTest, ScoreMatchesTransformersAndPromptLogprobsIsRefused) {
       EXPECT_EQ(resp.usage().continuation_tokens(), m + 1);
     }
   }
+  EXPECT_EQ(served, 1) << "the t5-v1_1 fixture";
 }
 
 TEST(T5ServerTest, BrokenCheckpointExitsAtStartWithTheReason) {
-  if (testing::T5Cases().empty()) GTEST_SKIP() << "no T5 fixture";
+  ASSERT_FALSE(testing::T5Cases().empty()) << "no T5 fixture (RELGEN_T5_CASES_DIR, ctest fixture t5_checkpoints)";
   const nlohmann::json manifest = testing::T5Manifest();
+  int refused = 0;
   for (const auto& bad : manifest["bad"]) {
     if (bad["name"] != "t5-math-value" && bad["name"] != "mt5-no-spiece") continue;
+    ++refused;
     testing::ServerProcess p;
     std::string error;
     EXPECT_FALSE(p.Start({"--model", bad["dir"].get<std::string>()}, &error));
     EXPECT_EQ(p.Wait(), 1);
     for (const auto& s : bad["expect"]) EXPECT_THAT(error, HasSubstr(s.get<std::string>())) << bad["name"];
   }
+  EXPECT_EQ(refused, 2) << "the t5-math-value and mt5-no-spiece fixtures";
 }
 
 }  // namespace
