@@ -338,7 +338,6 @@ TEST_F(T5EngineTest, SixtyFourLongInputsRunTogetherWhileADecodeKeepsItsTokenEver
   }
   // a and 63 of the inputs (max_num_seqs 64); the 64th waits for a slot.
   EXPECT_EQ(peak->most, 64);
-  EXPECT_GE(peak->most, 48);
   for (auto& h : handles) h->Cancel();
   ha->Cancel();
   engine.RunOnce();

@@ -142,8 +142,6 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
   return specs;
 }
 
-const float* Model::Get(const std::string& name) const { return Small(name); }
-
 const float* Model::Small(const std::string& name) const {
   auto it = storage_.small.find(name);
   return it == storage_.small.end() ? nullptr : it->second.data();
@@ -152,10 +150,6 @@ const float* Model::Small(const std::string& name) const {
 const StoredMatrix* Model::Matrix(const std::string& name) const {
   auto it = storage_.matrices.find(name);
   return it == storage_.matrices.end() ? nullptr : &it->second;
-}
-
-void Model::ReleasePages() const {
-  for (const auto& [name, m] : storage_.matrices) m.ReleasePages();
 }
 
 absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& dir) {
@@ -196,15 +190,15 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromFiles(ModelConfig config
                               ", dtype F32, F16 or BF16)"));
     }
     if (auto s = CheckFloatTensor(*t, spec.name, spec.shape, weights_path); !s.ok()) return s;
-    if (auto st = AddStored(spec.name, *t, &tensors); !st.ok()) return st;
+    AddStored(spec.name, *t, &tensors);
   }
   const DType dtype = specs.empty() ? DType::kF32 : (*file)->Find(specs.front().name)->dtype;
   tensors.owners.push_back(std::shared_ptr<const SafetensorsFile>(*std::move(file)));
   return FromStored(std::move(config), std::move(tensors), dtype, weights_path, std::move(dir));
 }
 
-absl::Status AddStored(const std::string& name, const TensorInfo& t, StoredTensors* out, StoredMatrix::Rows layout,
-                       int part, int64_t head_dim) {
+void AddStored(const std::string& name, const TensorInfo& t, StoredTensors* out, StoredMatrix::Rows layout, int part,
+               int64_t head_dim) {
   StoredMatrix m;
   m.dtype = t.dtype;
   m.data = t.data;
@@ -221,7 +215,6 @@ absl::Status AddStored(const std::string& name, const TensorInfo& t, StoredTenso
   } else {
     out->small.emplace(name, m.ToFloat());
   }
-  return absl::OkStatus();
 }
 
 absl::Status CheckFloatTensor(const TensorInfo& t, absl::string_view name, const std::vector<int64_t>& shape,
@@ -324,10 +317,10 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromStored(ModelConfig confi
 
   const ModelConfig& c = m->config_;
   m->embed_ = m->Matrix("embed.weight");
-  m->embed_norm_w_ = m->Get("embed_norm.weight");
-  m->embed_norm_b_ = m->Get("embed_norm.bias");
-  m->final_norm_w_ = m->Get("final_norm.weight");
-  m->final_norm_b_ = m->Get("final_norm.bias");
+  m->embed_norm_w_ = m->Small("embed_norm.weight");
+  m->embed_norm_b_ = m->Small("embed_norm.bias");
+  m->final_norm_w_ = m->Small("final_norm.weight");
+  m->final_norm_b_ = m->Small("final_norm.bias");
   m->lm_head_ = c.tie_embeddings ? m->embed_ : m->Matrix("lm_head.weight");
   auto stack = [&](const std::string& s, int layers, std::vector<LayerWeights>* out) {
     out->resize(layers);
@@ -335,44 +328,44 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::FromStored(ModelConfig confi
       const std::string p = absl::StrCat(s, "layers.", l, ".");
       const std::string rp = c.rel.share_across_layers ? s + "attn." : p + "attn.";
       LayerWeights& lw = (*out)[l];
-      lw.attn_norm_w = m->Get(p + "attn_norm.weight");
-      lw.attn_norm_b = m->Get(p + "attn_norm.bias");
+      lw.attn_norm_w = m->Small(p + "attn_norm.weight");
+      lw.attn_norm_b = m->Small(p + "attn_norm.bias");
       lw.wq = m->Matrix(p + "attn.q.weight");
-      lw.bq = m->Get(p + "attn.q.bias");
+      lw.bq = m->Small(p + "attn.q.bias");
       lw.wk = m->Matrix(p + "attn.k.weight");
-      lw.bk = m->Get(p + "attn.k.bias");
+      lw.bk = m->Small(p + "attn.k.bias");
       lw.wv = m->Matrix(p + "attn.v.weight");
-      lw.bv = m->Get(p + "attn.v.bias");
+      lw.bv = m->Small(p + "attn.v.bias");
       lw.wo = m->Matrix(p + "attn.o.weight");
-      lw.bo = m->Get(p + "attn.o.bias");
-      lw.ffn_norm_w = m->Get(p + "ffn_norm.weight");
-      lw.ffn_norm_b = m->Get(p + "ffn_norm.bias");
+      lw.bo = m->Small(p + "attn.o.bias");
+      lw.ffn_norm_w = m->Small(p + "ffn_norm.weight");
+      lw.ffn_norm_b = m->Small(p + "ffn_norm.bias");
       lw.w_up = m->Matrix(p + "ffn.up.weight");
-      lw.b_up = m->Get(p + "ffn.up.bias");
+      lw.b_up = m->Small(p + "ffn.up.bias");
       lw.w_gate = m->Matrix(p + "ffn.gate.weight");
-      lw.b_gate = m->Get(p + "ffn.gate.bias");
+      lw.b_gate = m->Small(p + "ffn.gate.bias");
       lw.w_down = m->Matrix(p + "ffn.down.weight");
-      lw.b_down = m->Get(p + "ffn.down.bias");
-      lw.rel_k = m->Get(rp + "rel_k");
-      lw.rel_v = m->Get(rp + "rel_v");
-      lw.rel_bias = m->Get(rp + "rel_bias");
-      lw.cross_norm_w = m->Get(p + "cross_norm.weight");
-      lw.cross_norm_b = m->Get(p + "cross_norm.bias");
+      lw.b_down = m->Small(p + "ffn.down.bias");
+      lw.rel_k = m->Small(rp + "rel_k");
+      lw.rel_v = m->Small(rp + "rel_v");
+      lw.rel_bias = m->Small(rp + "rel_bias");
+      lw.cross_norm_w = m->Small(p + "cross_norm.weight");
+      lw.cross_norm_b = m->Small(p + "cross_norm.bias");
       lw.cq = m->Matrix(p + "cross.q.weight");
-      lw.cq_b = m->Get(p + "cross.q.bias");
+      lw.cq_b = m->Small(p + "cross.q.bias");
       lw.ck = m->Matrix(p + "cross.k.weight");
-      lw.ck_b = m->Get(p + "cross.k.bias");
+      lw.ck_b = m->Small(p + "cross.k.bias");
       lw.cv = m->Matrix(p + "cross.v.weight");
-      lw.cv_b = m->Get(p + "cross.v.bias");
+      lw.cv_b = m->Small(p + "cross.v.bias");
       lw.co = m->Matrix(p + "cross.o.weight");
-      lw.co_b = m->Get(p + "cross.o.bias");
+      lw.co_b = m->Small(p + "cross.o.bias");
     }
   };
   stack("", c.n_layers, &m->layers_);
   if (c.encoder_decoder) {
     stack("encoder.", c.n_encoder_layers, &m->encoder_layers_);
-    m->encoder_final_norm_w_ = m->Get("encoder.final_norm.weight");
-    m->encoder_final_norm_b_ = m->Get("encoder.final_norm.bias");
+    m->encoder_final_norm_w_ = m->Small("encoder.final_norm.weight");
+    m->encoder_final_norm_b_ = m->Small("encoder.final_norm.bias");
     if (c.rel.scheme == relpos::Scheme::kT5) {
       m->t5_encoder_table_ = relpos::T5SignedBucketTable(c.rel.num_buckets, c.rel.max_distance);
     }

@@ -121,8 +121,8 @@ bool IsStoredMatrix(const std::string& name);
 
 // Adds stored tensor `t` as relgen tensor `name` to `out`: a matrix as a view of its mapped bytes
 // (or of one third of them, for a fused QKV's `layout` and `part`), anything else widened.
-absl::Status AddStored(const std::string& name, const TensorInfo& t, StoredTensors* out,
-                       StoredMatrix::Rows layout = StoredMatrix::Rows::kAll, int part = 0, int64_t head_dim = 0);
+void AddStored(const std::string& name, const TensorInfo& t, StoredTensors* out,
+               StoredMatrix::Rows layout = StoredMatrix::Rows::kAll, int part = 0, int64_t head_dim = 0);
 
 class Model {
  public:
@@ -170,14 +170,12 @@ class Model {
   // A matrix by relgen name, or null; a float32 small tensor by relgen name, or null.
   const StoredMatrix* Matrix(const std::string& name) const;
   const float* Small(const std::string& name) const;
-  // Drops every matrix's mapped pages from resident memory (see StoredMatrix::ReleasePages).
-  void ReleasePages() const;
+
   // Weight dtype on disk (the first tensor's), for reporting.
   DType file_dtype() const { return file_dtype_; }
 
  private:
   Model() = default;
-  const float* Get(const std::string& name) const;
 
   ModelConfig config_;
   std::string dir_;
