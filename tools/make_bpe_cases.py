@@ -369,18 +369,26 @@ def probe_nfc():
 
 
 def probe_word():
+    """Per side, the code points that keep a single_word token from matching when next to it."""
     tok = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
     tok.add_tokens([AddedToken("<w>", single_word=True, normalized=False)])
     wid = tok.token_to_id("<w>")
-    encs = tok.encode_batch([chr(c) + "<w>" for c in CODE_POINTS], add_special_tokens=False)
-    word = [c for c, e in zip(CODE_POINTS, encs) if wid not in e.ids]
-    runs = []
-    for c in word:
-        if runs and runs[-1][1] + 1 == c:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return {"token": "<w>", "word_runs": runs}
+
+    def runs_of(texts):
+        encs = tok.encode_batch(texts, add_special_tokens=False)
+        runs = []
+        for c, e in zip(CODE_POINTS, encs):
+            if wid in e.ids:
+                continue
+            if runs and runs[-1][1] + 1 == c:
+                runs[-1][1] = c
+            else:
+                runs.append([c, c])
+        return runs
+
+    return {"token": "<w>",
+            "before_runs": runs_of([chr(c) + "<w>" for c in CODE_POINTS]),
+            "after_runs": runs_of(["<w>" + chr(c) for c in CODE_POINTS])}
 
 
 def main():
