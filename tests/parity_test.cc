@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/backends/backend.h"
+#include "engine/core/kv_cache.h"
 #include "engine/backends/cpu_backend.h"
 #include "engine/model/model.h"
 #include "engine/model/safetensors.h"

@@ -1,11 +1,17 @@
-// Sampling against hand-derived distributions.
+// Sampling against hand-derived distributions and an independent float64 reference of the
+// definitions in engine/backends/sampler.h (sort-based, as the seeds and transformers state them).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
+#include <random>
+#include <thread>
 #include <vector>
 
-#include "engine/core/sampler.h"
+#include "engine/backends/sampler.h"
+#include "kernels/philox.h"
 
 namespace relgen {
 namespace {
@@ -18,17 +24,107 @@ std::vector<float> LogitsOf(const std::vector<double>& probs) {
 
 // Empirical frequencies over `n` draws (token index varies the random draw).
 std::map<int32_t, double> Frequencies(const std::vector<float>& logits, const SamplingParams& p, int n) {
-  std::vector<float> scratch;
+  SamplerScratch scratch;
   std::map<int32_t, double> f;
   for (int i = 0; i < n; ++i) f[Sample(logits, p, {}, i, &scratch).token] += 1.0 / n;
   return f;
 }
 
+// The reference: penalty, then softmax at temperature in float64, candidates sorted (w descending,
+// lower id first), top-k, then the shortest prefix reaching top_p of the kept mass.
+std::vector<double> ReferenceProbs(const std::vector<float>& logits, const SamplingParams& p,
+                                   const std::vector<int32_t>& history) {
+  const int v = static_cast<int>(logits.size());
+  std::vector<double> x(logits.begin(), logits.end());
+  std::vector<bool> seen(v, false);
+  for (int32_t t : history) {
+    if (seen[t] || p.repetition_penalty == 1.0f) continue;
+    seen[t] = true;
+    x[t] = x[t] > 0 ? x[t] / p.repetition_penalty : x[t] * p.repetition_penalty;
+  }
+  std::vector<double> probs(v, 0.0);
+  if (p.temperature == 0) {
+    probs[std::max_element(x.begin(), x.end()) - x.begin()] = 1;
+    return probs;
+  }
+  const double mx = *std::max_element(x.begin(), x.end());
+  std::vector<double> w(v);
+  for (int i = 0; i < v; ++i) w[i] = std::exp((x[i] - mx) / p.temperature);
+  std::vector<int> order(v);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return w[a] > w[b]; });
+  int keep = p.top_k > 0 ? std::min(p.top_k, v) : v;
+  double total = 0;
+  for (int i = 0; i < keep; ++i) total += w[order[i]];
+  if (p.top_p < 1.0f) {
+    double cum = 0;
+    int n = 0;
+    while (n < keep && cum < p.top_p * total) cum += w[order[n++]];
+    keep = n;
+    total = cum;
+  }
+  for (int i = 0; i < keep; ++i) probs[order[i]] = w[order[i]] / total;
+  return probs;
+}
+
+std::vector<float> RandomLogits(int v, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> l(v);
+  for (float& x : l) x = d(rng);
+  return l;
+}
+
+// Sweeps the draw over a grid of u: the share of u choosing each token is its probability to
+// within the grid's spacing, exactly, with no statistical slack.
+void ExpectExactDistribution(const std::vector<float>& logits, const SamplingParams& p,
+                             const std::vector<int32_t>& history) {
+  const std::vector<double> ref = ReferenceProbs(logits, p, history);
+  constexpr int kGrid = 30000;
+  std::vector<double> share(logits.size(), 0.0);
+  SamplerScratch scratch;
+  for (int j = 0; j < kGrid; ++j) {
+    share[DrawToken(logits, p, history, (j + 0.5) / kGrid, &scratch)] += 1.0 / kGrid;
+  }
+  int kept = 0;
+  for (size_t t = 0; t < ref.size(); ++t) {
+    if (ref[t] == 0) {
+      EXPECT_EQ(share[t], 0.0) << "token " << t << " is cut but drawn";
+    } else {
+      ++kept;
+      EXPECT_NEAR(share[t], ref[t], 2.0 / kGrid + 1e-6) << "token " << t;
+    }
+  }
+  EXPECT_GT(kept, 0);
+}
+
+TEST(PhiloxTest, KnownAnswers) {
+  // Random123's known-answer vectors for philox4x32_10.
+  auto run = [](philox::U32x4 c, uint32_t k0, uint32_t k1) { return philox::Philox4x32_10(c, k0, k1); };
+  philox::U32x4 r = run({{0, 0, 0, 0}}, 0, 0);
+  EXPECT_EQ(r.v[0], 0x6627e8d5u);
+  EXPECT_EQ(r.v[1], 0xe169c58du);
+  EXPECT_EQ(r.v[2], 0xbc57ac4cu);
+  EXPECT_EQ(r.v[3], 0x9b00dbd8u);
+  r = run({{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}}, 0xffffffffu, 0xffffffffu);
+  EXPECT_EQ(r.v[0], 0x408f276du);
+  EXPECT_EQ(r.v[1], 0x41c83b0eu);
+  EXPECT_EQ(r.v[2], 0xa20bc7c6u);
+  EXPECT_EQ(r.v[3], 0x6d5451fdu);
+  r = run({{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u, 0x299f31d0u);
+  EXPECT_EQ(r.v[0], 0xd16cfe09u);
+  EXPECT_EQ(r.v[1], 0x94fdccebu);
+  EXPECT_EQ(r.v[2], 0x5001e420u);
+  EXPECT_EQ(r.v[3], 0x24126ea1u);
+}
+
 TEST(SamplerTest, GreedyIsArgmaxWithLowestIdOnTies) {
-  std::vector<float> scratch;
+  SamplerScratch scratch;
   SamplingParams p;
   p.temperature = 0;
   EXPECT_EQ(Sample(std::vector<float>{0.1f, 2.0f, -1.0f, 2.0f}, p, {}, 0, &scratch).token, 1);
+  const std::vector<float> big = RandomLogits(250880, 3, 2.0f);
+  EXPECT_EQ(Sample(big, p, {}, 0, &scratch).token, std::max_element(big.begin(), big.end()) - big.begin());
 }
 
 TEST(SamplerTest, TemperatureOneFollowsTheSoftmax) {
@@ -68,21 +164,117 @@ TEST(SamplerTest, TopKAndTopPCut) {
   EXPECT_EQ(f.begin()->first, 1);
 }
 
+TEST(SamplerTest, TiesAtTheCutKeepLowerIds) {
+  // Three equal best tokens (1, 2, 3); top_k 2 keeps 1 and 2, half each.
+  SamplingParams p;
+  p.top_k = 2;
+  const std::vector<float> logits = {1.0f, 2.0f, 2.0f, 2.0f, 0.0f};
+  ExpectExactDistribution(logits, p, {});
+  SamplerScratch scratch;
+  EXPECT_EQ(DrawToken(logits, p, {}, 0.25, &scratch), 1);
+  EXPECT_EQ(DrawToken(logits, p, {}, 0.75, &scratch), 2);
+  // top_p reaching its mass inside the tie: one of three equal thirds (w 1, 1, 1 and tiny ones)
+  // reaches 0.3 of the mass, so id 1 alone stays.
+  SamplingParams q;
+  q.top_p = 0.3f;
+  const std::vector<float> tied = {-30.0f, 0.0f, 0.0f, 0.0f, -30.0f};
+  ExpectExactDistribution(tied, q, {});
+  EXPECT_EQ(DrawToken(tied, q, {}, 0.99, &scratch), 1);
+}
+
+// Every control alone and combined, on random rows of a few sizes: the draw's distribution is the
+// reference's exactly.
+TEST(SamplerTest, ExactDistributionPerControl) {
+  struct Case {
+    float temperature;
+    int top_k;
+    float top_p;
+    float penalty;
+  };
+  const std::vector<Case> cases = {
+      {1.0f, 0, 1.0f, 1.0f},  {0.7f, 0, 1.0f, 1.0f},   {1.3f, 0, 1.0f, 1.0f},  {1.0f, 17, 1.0f, 1.0f},
+      {1.0f, 0, 0.9f, 1.0f},  {1.0f, 0, 0.35f, 1.0f},  {1.0f, 0, 1.0f, 1.8f},  {0.8f, 40, 0.9f, 1.0f},
+      {0.6f, 25, 0.8f, 1.3f}, {1.5f, 200, 0.95f, 0.7f}, {0.9f, 1, 1.0f, 1.0f},
+  };
+  const std::vector<int32_t> history = {3, 17, 17, 40, 299, 5, 3, 128};
+  for (int v : {300, 1000}) {
+    const std::vector<float> logits = RandomLogits(v, 11 + v, 1.5f);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(testing::Message() << "vocab " << v << " T " << c.temperature << " top_k " << c.top_k
+                                      << " top_p " << c.top_p << " penalty " << c.penalty);
+      SamplingParams p;
+      p.temperature = c.temperature;
+      p.top_k = c.top_k;
+      p.top_p = c.top_p;
+      p.repetition_penalty = c.penalty;
+      ExpectExactDistribution(logits, p, history);
+    }
+  }
+}
+
+// A full BLOOM-sized row: draws land only on the reference's kept tokens, the kept set's first and
+// last ids are the reference's, and a grid of draws picks the reference's token or, within
+// rounding of a boundary, its kept neighbour.
+TEST(SamplerTest, LargeVocabularyCutsMatchTheReference) {
+  const int v = 250880;
+  const std::vector<float> logits = RandomLogits(v, 5, 3.0f);
+  for (const auto& [k, top_p] : std::vector<std::pair<int, float>>{{50, 1.0f}, {0, 0.9f}, {0, 0.5f}, {1000, 0.9f}}) {
+    SCOPED_TRACE(testing::Message() << "top_k " << k << " top_p " << top_p);
+    SamplingParams p;
+    p.temperature = 0.8f;
+    p.top_k = k;
+    p.top_p = top_p;
+    const std::vector<double> ref = ReferenceProbs(logits, p, {});
+    std::vector<int32_t> kept;
+    std::vector<double> cum;
+    double c = 0;
+    for (int i = 0; i < v; ++i) {
+      if (ref[i] > 0) {
+        kept.push_back(i);
+        cum.push_back(c += ref[i]);
+      }
+    }
+    ASSERT_FALSE(kept.empty());
+    SamplerScratch scratch;
+    EXPECT_EQ(DrawToken(logits, p, {}, 0.0, &scratch), kept.front());
+    EXPECT_EQ(DrawToken(logits, p, {}, std::nextafter(1.0, 0.0), &scratch), kept.back());
+    int exact = 0;
+    const int grid = 400;
+    for (int j = 0; j < grid; ++j) {
+      const double u = (j + 0.5) / grid;
+      const int32_t got = DrawToken(logits, p, {}, u, &scratch);
+      const size_t at = std::upper_bound(cum.begin(), cum.end(), u) - cum.begin();
+      const int32_t want = kept[std::min(at, kept.size() - 1)];
+      ASSERT_GT(ref[got], 0.0) << "drew cut token " << got;
+      if (got == want) {
+        ++exact;
+      } else {
+        const size_t g = std::lower_bound(kept.begin(), kept.end(), got) - kept.begin();
+        EXPECT_EQ(std::abs(static_cast<long>(g) - static_cast<long>(at)), 1) << "u " << u;
+      }
+    }
+    EXPECT_GE(exact, grid * 9 / 10);
+  }
+}
+
 TEST(SamplerTest, SameSeedAndIndexSameToken) {
   const std::vector<float> logits = {0.3f, 0.1f, 0.2f, 0.25f, 0.15f};
   SamplingParams p;
   p.seed = 99;
-  std::vector<float> scratch;
+  SamplerScratch scratch;
   for (int i = 0; i < 50; ++i) {
     EXPECT_EQ(Sample(logits, p, {}, i, &scratch).token, Sample(logits, p, {}, i, &scratch).token);
   }
   EXPECT_NE(SampleUniform(99, 0), SampleUniform(100, 0));
   EXPECT_NE(SampleUniform(99, 0), SampleUniform(99, 1));
+  // The draw is Philox keyed by the seed, counted by the index.
+  const philox::U32x4 r = philox::Philox4x32_10({{7, 0, 0, 0}}, 99, 0);
+  EXPECT_EQ(SampleUniform(99, 7), static_cast<double>((uint64_t{r.v[0]} << 32 | r.v[1]) >> 11) / 9007199254740992.0);
 }
 
 TEST(SamplerTest, RepetitionPenalty) {
   // Token 0 (logit 2) seen: 2/2 = 1 < token 1's 1.5. Token 2 (logit -1) seen: -1*2 = -2.
-  std::vector<float> scratch;
+  SamplerScratch scratch;
   SamplingParams p;
   p.temperature = 0;
   p.repetition_penalty = 2.0f;
@@ -99,7 +291,7 @@ TEST(SamplerTest, LogprobsOfTheRawDistribution) {
   p.temperature = 0;
   p.repetition_penalty = 3.0f;  // changes the choice, not the reported log-probabilities
   p.logprobs = 2;
-  std::vector<float> scratch;
+  SamplerScratch scratch;
   const SampleResult r = Sample(LogitsOf(probs), p, std::vector<int32_t>{1}, 0, &scratch);
   EXPECT_EQ(r.token, 2);
   EXPECT_NEAR(r.logprob, std::log(0.3), 1e-6);
@@ -107,6 +299,89 @@ TEST(SamplerTest, LogprobsOfTheRawDistribution) {
   EXPECT_EQ(r.top[0].token, 1);
   EXPECT_NEAR(r.top[0].logprob, std::log(0.6), 1e-6);
   EXPECT_EQ(r.top[1].token, 2);
+}
+
+TEST(SamplerTest, TokenLogprobsOfALargeRow) {
+  const std::vector<float> logits = RandomLogits(50432, 9, 4.0f);
+  double mx = -INFINITY, z = 0;
+  for (float l : logits) mx = std::max<double>(mx, l);
+  for (float l : logits) z += std::exp(l - mx);
+  const double log_z = mx + std::log(z);
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  const SampleResult r = TokenLogprobs(logits, 1234, 20);
+  EXPECT_NEAR(r.logprob, logits[1234] - log_z, 1e-5);
+  ASSERT_EQ(r.top.size(), 20u);
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(r.top[i].token, order[i]);
+    EXPECT_NEAR(r.top[i].logprob, logits[order[i]] - log_z, 1e-5);
+  }
+}
+
+// A row's answer depends on nothing beside it: alone, or in a batch answered on several threads
+// in any order, with every control on, the same bits.
+TEST(SamplerTest, AnswersAreTheSameAloneAndBatched) {
+  const int v = 4000, rows = 16;
+  std::vector<float> logits;
+  for (int r = 0; r < rows; ++r) {
+    const std::vector<float> row = RandomLogits(v, 100 + r, 1.0f);
+    logits.insert(logits.end(), row.begin(), row.end());
+  }
+  std::vector<SamplingParams> params(rows);
+  const std::vector<int32_t> history = {1, 5, 9, 5, 77};
+  std::vector<RowQuery> queries;
+  for (int r = 0; r < rows; ++r) {
+    params[r].temperature = 0.6f + 0.05f * r;
+    params[r].top_k = r % 3 == 0 ? 0 : 30 + r;
+    params[r].top_p = r % 2 == 0 ? 0.9f : 1.0f;
+    params[r].repetition_penalty = 1.2f;
+    params[r].seed = 1000 + r / 4;  // rows of one seed differ by index alone
+    params[r].logprobs = r % 4;
+    RowQuery q;
+    q.row = r;
+    q.params = &params[r];
+    q.history = history;
+    q.index = 3 + r % 4;
+    queries.push_back(q);
+    RowQuery s;  // a score row beside each draw
+    s.row = r;
+    s.token = 7 * r;
+    s.top_n = r % 5;
+    queries.push_back(s);
+  }
+  // Several threads, ranges in reverse order.
+  const ParallelFor threads = [](int n, const std::function<void(int, int)>& fn) {
+    std::vector<std::thread> t;
+    for (int b = n - 3; b > -3; b -= 3) t.emplace_back([&fn, b, n] { fn(std::max(b, 0), std::min(b + 3, n)); });
+    for (auto& x : t) x.join();
+  };
+  std::vector<SampleResult> batched;
+  AnswerQueries(logits.data(), v, queries, &batched, threads);
+  ASSERT_EQ(batched.size(), queries.size());
+  int differ = 0;
+  for (size_t q = 0; q < queries.size(); ++q) {
+    std::vector<SampleResult> alone;
+    AnswerQueries(logits.data(), v, absl::MakeConstSpan(&queries[q], 1), &alone);
+    ASSERT_EQ(alone.size(), 1u);
+    EXPECT_EQ(alone[0].token, batched[q].token) << "query " << q;
+    EXPECT_EQ(alone[0].logprob, batched[q].logprob) << "query " << q;
+    ASSERT_EQ(alone[0].top.size(), batched[q].top.size());
+    for (size_t i = 0; i < alone[0].top.size(); ++i) {
+      EXPECT_EQ(alone[0].top[i].token, batched[q].top[i].token);
+      EXPECT_EQ(alone[0].top[i].logprob, batched[q].top[i].logprob);
+    }
+    // The same answer straight from Sample at the query's own index.
+    if (queries[q].params != nullptr) {
+      SamplerScratch scratch;
+      const absl::Span<const float> row(logits.data() + static_cast<size_t>(queries[q].row) * v, v);
+      EXPECT_EQ(Sample(row, *queries[q].params, history, queries[q].index, &scratch).token, batched[q].token);
+      SamplingParams shifted = *queries[q].params;
+      differ += Sample(row, shifted, history, queries[q].index + 1, &scratch).token != batched[q].token;
+    }
+  }
+  // The draws do depend on the index: a stream shifted by one changes most of them.
+  EXPECT_GE(differ, rows / 2);
 }
 
 }  // namespace

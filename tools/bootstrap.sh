@@ -97,7 +97,7 @@ case "$mode" in
           cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" -DCMAKE_CXX_COMPILER=clang++ \
             -DCMAKE_C_COMPILER=clang -DRELGEN_CUDA=OFF -DRELGEN_SANITIZE=thread \
             > build-tsan.log 2>&1 || { cat build-tsan.log; exit 1; }
-          cmake --build build-tsan -j "$jobs" --target relgen-server engine_test server_test soak_test reliability_test \
+          cmake --build build-tsan -j "$jobs" --target relgen-server engine_test server_test soak_test reliability_test sampler_test \
             cuda_backend_test_emu simt_test
           run_stage tsan --test-dir build-tsan --output-on-failure -j "$jobs" -L 'concurrency|simt'
           ;;

@@ -54,4 +54,20 @@ absl::Status ValidateSteps(absl::Span<const SequenceStep> steps, int vocab_size,
   return absl::OkStatus();
 }
 
+absl::Status Backend::ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
+                                    std::vector<SampleResult>* results) {
+  absl::Status st = Forward(steps, &answer_logits_);
+  if (!st.ok()) return st;
+  const int rows = RowsOf(steps);
+  const int vocab = rows > 0 ? static_cast<int>(answer_logits_.size() / rows) : 0;
+  AnswerQueries(answer_logits_.data(), vocab, queries, results);
+  return absl::OkStatus();
+}
+
+int RowsOf(absl::Span<const SequenceStep> steps) {
+  int rows = 0;
+  for (const SequenceStep& s : steps) rows += s.all_logits ? static_cast<int>(s.tokens.size()) : 1;
+  return rows;
+}
+
 }  // namespace relgen

@@ -10,7 +10,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "engine/core/kv_cache.h"
+#include "engine/backends/kv_pool.h"
+#include "engine/backends/sampler.h"
 
 namespace relgen {
 
@@ -43,6 +44,9 @@ struct BackendMemory {
 absl::Status ValidateSteps(absl::Span<const SequenceStep> steps, int vocab_size, int max_seq_len,
                            const KvCacheConfig& kv, bool encoder_decoder = false);
 
+// Logits rows a Forward over `steps` writes.
+int RowsOf(absl::Span<const SequenceStep> steps);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -59,9 +63,17 @@ class Backend {
   // writes logits [rows, vocab_size] to `logits`, rows in step order (all tokens or last only).
   // A prompt, a chunk of a prompt and a single decode token are all steps.
   virtual absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) = 0;
+  // Forward, then answers `queries` from the logits rows (drawn tokens, given tokens'
+  // log-probabilities; sampler.h), results in query order. Only the answers leave the backend.
+  // This default answers on the calling thread; backends override it to answer where the logits are.
+  virtual absl::Status ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
+                                     std::vector<SampleResult>* results);
   // Non-OK once the device can run nothing more (a GPU's asynchronous fault leaves its context
   // broken until the process ends): every later Forward would fail. Asked after a failed Forward.
   virtual absl::Status Broken() const { return absl::OkStatus(); }
+
+ private:
+  std::vector<float> answer_logits_;  // ForwardSample's default
 };
 
 }  // namespace relgen

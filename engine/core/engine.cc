@@ -568,25 +568,23 @@ int Engine::SharedBlocks(const Seq& s) const {
   return shared;
 }
 
-void Engine::TakeLogits(Seq& s, int first, int count, const float* rows) {
-  const int vocab = model_->config().vocab_size;
-  const int prompt = static_cast<int>(s.req.prompt.size());
-  const bool prompt_lps = s.req.prompt_logprobs >= 0 && !s.prompt_lps_delivered;
-  for (int k = 0; k < count; ++k) {
-    const int next = first + k + 1;  // the token this row predicts
-    const absl::Span<const float> row(rows + static_cast<size_t>(k) * vocab, vocab);
-    if (prompt_lps && next < prompt && next == static_cast<int>(s.prompt_lps.size()) + 1) {
-      s.prompt_lps.push_back(TokenLogprobs(row, s.tokens[next], s.req.prompt_logprobs));
-    }
-    if (s.score_from >= 0 && next >= s.score_from && next < static_cast<int>(s.tokens.size()) &&
-        next - s.score_from == static_cast<int>(s.scores.size())) {
-      s.scores.push_back(TokenLogprobs(row, s.tokens[next], std::max(s.req.sampling.logprobs, 0)));
-    }
-  }
-}
+// One step, from the plan to what the backend answered.
+struct Engine::StepBatch {
+  // Where an answer goes: a prompt token's log-probabilities, a continuation token's score, or
+  // the sequence's next token.
+  enum class Use { kPromptLogprob, kScore, kDraw };
+  Schedule plan;
+  std::vector<Seq*> seqs;  // the plan's chunks, in order
+  std::vector<SequenceStep> steps;
+  std::vector<RowQuery> queries;
+  std::vector<Use> uses;           // per query
+  std::vector<int> first_query;    // per sequence, then one past the last
+  std::vector<SampleResult> answers;
+  int step_tokens = 0, prefill_tokens = 0, encoder_tokens = 0;
+  int64_t queried = 0, hit_tokens = 0;  // prefix cache, admissions of this step
+};
 
-void Engine::Step() {
-  const absl::Time now = absl::Now();
+void Engine::Reap(absl::Time now) {
   // Followers orphaned by a finished leader queue first; they recompute what they would have shared.
   for (auto it = orphans_.rbegin(); it != orphans_.rend(); ++it) waiting_.push_front(std::move(*it));
   orphans_.clear();
@@ -610,7 +608,9 @@ void Engine::Step() {
   // cancelled too).
   for (auto it = orphans_.rbegin(); it != orphans_.rend(); ++it) waiting_.push_front(std::move(*it));
   orphans_.clear();
+}
 
+void Engine::Plan(absl::Time now, StepBatch* b) {
   const bool enc_dec = model_->config().encoder_decoder;
   const int bs = config_.scheduler.block_size;
   auto sched = [&](const Seq& s) {
@@ -631,11 +631,12 @@ void Engine::Step() {
     if (s.blocks.empty()) {
       q.num_computed = static_cast<int>(s.hits.size()) * bs;
       q.num_blocks = static_cast<int>(s.hits.size());
-      for (int32_t b : s.hits) q.cached_blocks += allocator_.ref_count(b) == 0 ? 1 : 0;
+      for (int32_t h : s.hits) q.cached_blocks += allocator_.ref_count(h) == 0 ? 1 : 0;
     }
     wait.push_back(q);
   }
-  const Schedule plan = ComputeSchedule(run, wait, allocator_.num_free(), config_.scheduler);
+  b->plan = ComputeSchedule(run, wait, allocator_.num_free(), config_.scheduler);
+  const relgen::Schedule& plan = b->plan;
 
   // Preempted sequences (newest first) go back to the front of the queue, oldest first, and will
   // recompute their prompt and output so far (from the prefix cache where it still holds them).
@@ -651,7 +652,6 @@ void Engine::Step() {
     if (!s->prompt_lps_delivered) s->prompt_lps.clear();
     waiting_.push_front(std::move(s));
   }
-  std::vector<Seq*> batch;
   for (const ScheduledChunk& c : plan.chunks) {
     if (c.admitted) {
       std::unique_ptr<Seq> s = std::move(waiting_.front());
@@ -659,42 +659,41 @@ void Engine::Step() {
       if (s->id != c.id) std::abort();  // admission is first-come first-served
       if (s->scheduled == absl::InfinitePast()) s->scheduled = now;
       running_.push_back(std::move(s));
-      batch.push_back(running_.back().get());
+      b->seqs.push_back(running_.back().get());
     } else {
       for (auto& s : running_) {
-        if (s->id == c.id) batch.push_back(s.get());
+        if (s->id == c.id) b->seqs.push_back(s.get());
       }
     }
   }
   // Admitted sequences take their prefix-cache hits before anything is allocated, so no allocation
   // evicts a block a later admission counted on.
-  int64_t queried = 0, hit_tokens = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    Seq& s = *batch[i];
+  for (size_t i = 0; i < b->seqs.size(); ++i) {
+    Seq& s = *b->seqs[i];
     if (!plan.chunks[i].admitted) continue;
     if (config_.prefix_caching && s.blocks.empty()) {
       const int hit = static_cast<int>(s.hits.size()) * bs;
-      queried += static_cast<int64_t>(s.tokens.size());
-      hit_tokens += hit;
+      b->queried += static_cast<int64_t>(s.tokens.size());
+      b->hit_tokens += hit;
       if (config_.observer) config_.observer->OnPrefixCache(static_cast<int>(s.tokens.size()), hit);
       allocator_.Share(s.hits, &s.blocks);
       s.num_computed = hit;
     }
     s.hits.clear();
   }
-  for (size_t i = 0; i < batch.size(); ++i) {
+  for (size_t i = 0; i < b->seqs.size(); ++i) {
     const ScheduledChunk& c = plan.chunks[i];
-    if (!allocator_.Allocate(c.new_blocks, &batch[i]->blocks)) std::abort();  // planned
-    if (!allocator_.Allocate(c.encoder_blocks, &batch[i]->cross_blocks)) std::abort();
+    if (!allocator_.Allocate(c.new_blocks, &b->seqs[i]->blocks)) std::abort();  // planned
+    if (!allocator_.Allocate(c.encoder_blocks, &b->seqs[i]->cross_blocks)) std::abort();
   }
+}
 
-  std::vector<SequenceStep> steps;
-  std::vector<int> first_row;  // of each step's logits
+void Engine::BuildInputs(StepBatch* b) {
+  const bool enc_dec = model_->config().encoder_decoder;
   int rows = 0;
-  int step_tokens = 0, prefill_tokens = 0, encoder_tokens = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    Seq& s = *batch[i];
-    const int n = plan.chunks[i].num_tokens;
+  for (size_t i = 0; i < b->seqs.size(); ++i) {
+    Seq& s = *b->seqs[i];
+    const int n = b->plan.chunks[i].num_tokens;
     SequenceStep st;
     st.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, n);
     st.start_pos = s.num_computed;
@@ -704,73 +703,127 @@ void Engine::Step() {
     if (enc_dec) {
       st.encoder_len = static_cast<int>(s.req.prompt.size());
       st.cross_block_table = s.cross_blocks;
-      if (plan.chunks[i].encoder_blocks > 0) {
+      if (b->plan.chunks[i].encoder_blocks > 0) {
         st.encoder_tokens = s.req.prompt;
-        encoder_tokens += st.encoder_len;
+        b->encoder_tokens += st.encoder_len;
       }
     }
-    steps.push_back(st);
-    first_row.push_back(rows);
-    rows += st.all_logits ? n : 1;
-    step_tokens += n;
-    if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) prefill_tokens += n;
+    b->steps.push_back(st);
+    b->step_tokens += n;
+    if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) b->prefill_tokens += n;
+
+    // What the sequence wants of its rows: row k predicts token first + k + 1.
+    b->first_query.push_back(static_cast<int>(b->queries.size()));
+    const int first = st.all_logits ? s.num_computed : s.num_computed + n - 1;
+    const int count = st.all_logits ? n : 1;
+    const int prompt = static_cast<int>(s.req.prompt.size());
+    const bool want_prompt_lps = s.req.prompt_logprobs >= 0 && !s.prompt_lps_delivered;
+    int prompt_lps = static_cast<int>(s.prompt_lps.size()), scores = static_cast<int>(s.scores.size());
+    for (int k = 0; k < count; ++k) {
+      const int next = first + k + 1;
+      RowQuery q;
+      q.row = rows + k;
+      if (want_prompt_lps && next < prompt && next == prompt_lps + 1) {
+        q.token = s.tokens[next];
+        q.top_n = s.req.prompt_logprobs;
+        b->queries.push_back(q);
+        b->uses.push_back(StepBatch::Use::kPromptLogprob);
+        ++prompt_lps;
+      }
+      if (s.score_from >= 0 && next >= s.score_from && next < static_cast<int>(s.tokens.size()) &&
+          next - s.score_from == scores) {
+        q.token = s.tokens[next];
+        q.top_n = std::max(s.req.sampling.logprobs, 0);
+        b->queries.push_back(q);
+        b->uses.push_back(StepBatch::Use::kScore);
+        ++scores;
+      }
+    }
+    if (s.num_computed + n >= static_cast<int>(s.tokens.size()) && s.score_from < 0) {
+      RowQuery q;
+      q.row = rows + count - 1;
+      q.params = &s.req.sampling;
+      q.history = s.tokens;
+      q.index = s.generated;
+      b->queries.push_back(q);
+      b->uses.push_back(StepBatch::Use::kDraw);
+    }
+    rows += count;
   }
-  absl::Status broken;
+  b->first_query.push_back(static_cast<int>(b->queries.size()));
+}
+
+absl::Status Engine::Run(StepBatch* b) {
+  absl::Status st = backend_->ForwardSample(b->steps, b->queries, &b->answers);
+  if (st.ok() && b->answers.size() != b->queries.size()) {
+    st = absl::InternalError(absl::StrCat("the backend answered ", b->answers.size(), " of ", b->queries.size(), " rows"));
+  }
+  if (st.ok()) return st;
+  const absl::Status broken = backend_->Broken();
+  std::fprintf(stderr, "relgen: forward failed: %s%s\n", std::string(st.message()).c_str(),
+               broken.ok() ? "" : " (the device is broken)");
+  if (broken.ok()) return st;
+  // Failed before anyone hears of it: a client that sees its request fail finds Failure() set.
+  st = absl::UnavailableError(absl::StrCat("the device failed (", broken.message(), "); the server must restart"));
+  std::unique_lock<std::mutex> lock(mu_);
+  failure_ = st;
+  return st;
+}
+
+void Engine::Commit(StepBatch& b, const absl::Status& st) {
+  const int bs = config_.scheduler.block_size;
   std::vector<std::unique_ptr<Seq>> started;  // followers starting this step
-  if (!steps.empty()) {
-    absl::Status st = backend_->Forward(steps, &logits_);
-    if (!st.ok()) broken = backend_->Broken();
+  for (size_t i = 0; i < b.seqs.size(); ++i) {
+    Seq& s = *b.seqs[i];
     if (!st.ok()) {
-      std::fprintf(stderr, "relgen: forward failed: %s%s\n", std::string(st.message()).c_str(),
-                   broken.ok() ? "" : " (the device is broken)");
+      Finish(s, FinishReason::kError, st);
+      continue;
     }
-    if (!broken.ok()) {
-      // Failed before anyone hears of it: a client that sees its request fail finds Failure() set.
-      st = absl::UnavailableError(absl::StrCat("the device failed (", broken.message(), "); the server must restart"));
-      std::unique_lock<std::mutex> lock(mu_);
-      failure_ = st;
+    const SampleResult* draw = nullptr;
+    for (int q = b.first_query[i]; q < b.first_query[i + 1]; ++q) {
+      switch (b.uses[q]) {
+        case StepBatch::Use::kPromptLogprob: s.prompt_lps.push_back(std::move(b.answers[q])); break;
+        case StepBatch::Use::kScore: s.scores.push_back(std::move(b.answers[q])); break;
+        case StepBatch::Use::kDraw: draw = &b.answers[q]; break;
+      }
     }
-    const int vocab = model_->config().vocab_size;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      Seq& s = *batch[i];
-      if (!st.ok()) {
-        Finish(s, FinishReason::kError, st);
-        continue;
+    s.num_computed += b.plan.chunks[i].num_tokens;
+    RegisterBlocks(s);
+    if (!s.followers.empty() && s.num_computed >= s.fork_tokens) {
+      // The group's other members start now, holding the leader's blocks before fork_tokens.
+      const int shared = s.fork_tokens / bs;
+      for (auto& f : s.followers) {
+        allocator_.Share(absl::MakeConstSpan(s.blocks).first(shared), &f->blocks);
+        allocator_.Share(s.cross_blocks, &f->cross_blocks);
+        f->num_computed = s.fork_tokens;
+        f->chain.assign(s.chain.begin(), s.chain.begin() + std::min<size_t>(shared, s.chain.size()));
+        started.push_back(std::move(f));
       }
-      const int n = plan.chunks[i].num_tokens;
-      const float* row = logits_.data() + static_cast<size_t>(first_row[i]) * vocab;
-      if (steps[i].all_logits) {
-        TakeLogits(s, s.num_computed, n, row);
-        row += static_cast<size_t>(n - 1) * vocab;
-      } else {
-        TakeLogits(s, s.num_computed + n - 1, 1, row);
-      }
-      s.num_computed += n;
-      RegisterBlocks(s);
-      if (!s.followers.empty() && s.num_computed >= s.fork_tokens) {
-        // The group's other members start now, holding the leader's blocks before fork_tokens.
-        const int shared = s.fork_tokens / bs;
-        for (auto& f : s.followers) {
-          allocator_.Share(absl::MakeConstSpan(s.blocks).first(shared), &f->blocks);
-          allocator_.Share(s.cross_blocks, &f->cross_blocks);
-          f->num_computed = s.fork_tokens;
-          f->chain.assign(s.chain.begin(), s.chain.begin() + std::min<size_t>(shared, s.chain.size()));
-          started.push_back(std::move(f));
-        }
-        s.followers.clear();
-      }
-      if (s.num_computed < static_cast<int>(s.tokens.size())) continue;  // prompt not done yet
-      if (s.score_from >= 0) {
-        Finish(s, FinishReason::kLength);
-        continue;
-      }
-      const SampleResult r = Sample(absl::MakeConstSpan(row, vocab), s.req.sampling, s.tokens, s.generated,
-                                    &sample_scratch_);
-      EmitToken(s, r);
+      s.followers.clear();
     }
+    if (s.num_computed < static_cast<int>(s.tokens.size())) continue;  // prompt not done yet
+    if (s.score_from >= 0) {
+      Finish(s, FinishReason::kLength);
+      continue;
+    }
+    if (draw == nullptr) std::abort();  // BuildInputs asks for a draw exactly here
+    EmitToken(s, *draw);
   }
   for (auto it = started.rbegin(); it != started.rend(); ++it) waiting_.push_front(std::move(*it));
-  if (!broken.ok()) {
+}
+
+void Engine::Step() {
+  const absl::Time now = absl::Now();
+  Reap(now);
+  StepBatch b;
+  Plan(now, &b);
+  BuildInputs(&b);
+  absl::Status st;
+  if (!b.steps.empty()) {
+    st = Run(&b);
+    Commit(b, st);
+  }
+  if (!st.ok() && !backend_->Broken().ok()) {
     // Nothing can run any more: everything outstanding fails now, and Submit refuses from here on.
     absl::Status failure;
     {
@@ -781,17 +834,20 @@ void Engine::Step() {
   }
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done; }),
                  running_.end());
+  Account(b);
+}
 
+void Engine::Account(const StepBatch& b) {
   if (config_.observer) {
-    if (!steps.empty()) config_.observer->OnStep(static_cast<int>(steps.size()), step_tokens);
-    if (encoder_tokens > 0) config_.observer->OnEncoded(encoder_tokens);
-    if (!plan.preempted.empty()) config_.observer->OnPreemptions(static_cast<int>(plan.preempted.size()));
+    if (!b.steps.empty()) config_.observer->OnStep(static_cast<int>(b.steps.size()), b.step_tokens);
+    if (b.encoder_tokens > 0) config_.observer->OnEncoded(b.encoder_tokens);
+    if (!b.plan.preempted.empty()) config_.observer->OnPreemptions(static_cast<int>(b.plan.preempted.size()));
   }
   if (config_.check_invariants) {
     allocator_.CheckConsistency();
     // Every reference is held by a sequence the engine knows.
     int64_t refs = 0, held = 0;
-    for (int32_t b = 0; b < allocator_.num_blocks(); ++b) refs += allocator_.ref_count(b);
+    for (int32_t blk = 0; blk < allocator_.num_blocks(); ++blk) refs += allocator_.ref_count(blk);
     auto count = [&](const Seq& s) { held += static_cast<int64_t>(s.blocks.size() + s.cross_blocks.size()); };
     for (const auto& s : running_) count(*s);
     for (const auto& s : waiting_) count(*s);
@@ -812,17 +868,17 @@ void Engine::Step() {
   stats_.num_waiting = queued_;
   stats_.kv_blocks_used = allocator_.num_used();
   stats_.kv_blocks_cached = allocator_.num_cached();
-  stats_.prefix_cache_queries += queried;
-  stats_.prefix_cache_hits += hit_tokens;
+  stats_.prefix_cache_queries += b.queried;
+  stats_.prefix_cache_hits += b.hit_tokens;
   stats_.kv_blocks_evicted = allocator_.num_evicted();
-  if (!steps.empty()) {
+  if (!b.steps.empty()) {
     ++stats_.steps;
-    stats_.last_step_seqs = static_cast<int>(steps.size());
-    stats_.last_step_tokens = step_tokens;
+    stats_.last_step_seqs = static_cast<int>(b.steps.size());
+    stats_.last_step_tokens = b.step_tokens;
   }
-  stats_.prompt_tokens += prefill_tokens;
-  stats_.encoder_tokens += encoder_tokens;
-  stats_.preemptions += static_cast<int64_t>(plan.preempted.size());
+  stats_.prompt_tokens += b.prefill_tokens;
+  stats_.encoder_tokens += b.encoder_tokens;
+  stats_.preemptions += static_cast<int64_t>(b.plan.preempted.size());
   stats_.memory = backend_->memory();
 }
 

@@ -21,7 +21,7 @@
 #include "engine/backends/backend.h"
 #include "engine/core/kv_cache.h"
 #include "engine/model/model.h"
-#include "engine/core/sampler.h"
+#include "engine/backends/sampler.h"
 #include "engine/core/scheduler.h"
 #include "engine/tokenizers/tokenizer.h"
 
@@ -231,8 +231,16 @@ class Engine {
   void RegisterBlocks(Seq& s);
   // Blocks of `s` (decoder and input K/V) that another sequence also references.
   int SharedBlocks(const Seq& s) const;
-  // Rows of the step's logits for one sequence: [row, row + count) hold tokens first.. .
-  void TakeLogits(Seq& s, int first, int count, const float* rows);
+  // A step's phases, in order: reap cancelled and expired requests; schedule (prefix lookups,
+  // preemption, admission, blocks); the backend's input and the rows' queries; forward and
+  // sampling on the backend; the answers to tokens and outputs; stats.
+  struct StepBatch;
+  void Reap(absl::Time now);
+  void Plan(absl::Time now, StepBatch* b);
+  void BuildInputs(StepBatch* b);
+  absl::Status Run(StepBatch* b);  // non-OK: the step failed (failure_ set when the device broke)
+  void Commit(StepBatch& b, const absl::Status& st);
+  void Account(const StepBatch& b);
   // Finishes every sequence the engine holds (shutdown, a broken device).
   void FinishAll(FinishReason reason, const absl::Status& status);
 
@@ -258,7 +266,6 @@ class Engine {
   // Followers whose leader finished before starting them; they join the queue's front next step.
   std::vector<std::unique_ptr<Seq>> orphans_;
   int64_t next_seq_id_ = 0;
-  std::vector<float> logits_, sample_scratch_;
   std::thread thread_;
 };
 

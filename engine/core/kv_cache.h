@@ -24,15 +24,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
+#include "engine/backends/kv_pool.h"
 
 namespace relgen {
-
-struct KvCacheConfig {
-  int block_size = 16;  // tokens per block
-  int num_blocks = 0;
-};
-
-inline int BlocksForTokens(int tokens, int block_size) { return (tokens + block_size - 1) / block_size; }
 
 // Where a prefix chain stands: the canonical block holding the prefix so far, or the root.
 struct PrefixCursor {

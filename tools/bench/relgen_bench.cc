@@ -6,6 +6,7 @@
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
 //   relgen-bench accuracy --model DIR ...   (bf16 / int8 weights against f32)
 //   relgen-bench machine [--json FILE]   (bandwidth by working set and FMA peak, for --machine)
+//   relgen-bench sample [--vocab 250880] [--rows 16] [--threads 0] [--reps 21]   (the host sampler per control)
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "tools/bench/batching_bench.h"
 #include "tools/bench/engine_bench.h"
 #include "tools/bench/machine_bench.h"
+#include "tools/bench/sample_bench.h"
 #include "tools/bench/serve_bench.h"
 #include "tools/bench/memory_bench.h"
 
@@ -33,10 +35,12 @@ int Usage() {
                "                           [--device cpu|cuda[:N] [--device_GBps 3350] [--cuda_gemm invariant|cublas]\n"
                "                           [--cuda_split_keys 128]]   (cuda: --peer torch|none) [--batch_prefill 1|0]\n"
                "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
+               "       relgen-bench sample [--vocab 250880] [--rows 16] [--threads 0] [--reps 21]   (host sampler per control)\n"
                "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
                "                          [--shared_prefix_len 0]   (tokens every synthetic prompt starts with)\n"
+               "                          [--temperature 0.8] [--top_p 1] [--top_k 0]   (each request's sampling)\n"
                "                          [--json FILE] [--png FILE]\n"
                "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,int8] [--kv_cache_dtype f32,bf16]\n"
                "                             [--fortunes DIR] [--window 256]\n"
@@ -172,6 +176,18 @@ int main(int argc, char** argv) {
     if (o.model.empty()) return Usage();
     return relgen::bench::RunAccuracyBench(o);
   }
+  if (cmd == "sample") {
+    relgen::bench::SampleBenchOptions o;
+    for (auto& [f, v] : flags) {
+      const bool ok = f == "--vocab"     ? absl::SimpleAtoi(v, &o.vocab) && o.vocab > 0
+                      : f == "--rows"    ? absl::SimpleAtoi(v, &o.rows) && o.rows > 0
+                      : f == "--threads" ? absl::SimpleAtoi(v, &o.threads) && o.threads >= 0
+                      : f == "--reps"    ? absl::SimpleAtoi(v, &o.reps) && o.reps > 0
+                                         : false;
+      if (!ok) return Usage();
+    }
+    return relgen::bench::RunSampleBench(o);
+  }
   if (cmd == "serve") {
     relgen::bench::ServeOptions o;
     for (auto& [f, v] : flags) {
@@ -191,6 +207,9 @@ int main(int argc, char** argv) {
       else if (f == "--spread") ok = absl::SimpleAtod(v, &o.spread) && o.spread >= 0 && o.spread < 1;
       else if (f == "--prompts_file") o.prompts_file = v;
       else if (f == "--shared_prefix_len") ok = absl::SimpleAtoi(v, &o.shared_prefix_len) && o.shared_prefix_len >= 0;
+      else if (f == "--temperature") ok = absl::SimpleAtof(v, &o.temperature) && o.temperature >= 0;
+      else if (f == "--top_p") ok = absl::SimpleAtof(v, &o.top_p) && o.top_p > 0 && o.top_p <= 1;
+      else if (f == "--top_k") ok = absl::SimpleAtoi(v, &o.top_k) && o.top_k >= 0;
       else if (f == "--slo_ttft") ok = absl::SimpleAtod(v, &o.slo_ttft);
       else if (f == "--slo_tpot") ok = absl::SimpleAtod(v, &o.slo_tpot);
       else if (f == "--timeout") ok = absl::SimpleAtod(v, &o.timeout) && o.timeout > 0;

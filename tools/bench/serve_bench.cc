@@ -83,7 +83,9 @@ class Runner {
     }
     r.set_max_new_tokens(length(o_.output_len));
     r.set_ignore_eos(true);
-    r.set_temperature(0.8f);
+    r.set_temperature(o_.temperature);
+    if (o_.top_p < 1.0f) r.set_top_p(o_.top_p);
+    if (o_.top_k > 0) r.set_top_k(o_.top_k);
     r.set_seed(rng());
     return r;
   }

@@ -15,6 +15,9 @@ struct ServeOptions {
   int output_len = 64;
   double spread = 0.5;
   std::string prompts_file;   // one text prompt per line instead of synthetic prompts
+  float temperature = 0.8f;   // 0: greedy
+  float top_p = 1.0f;
+  int top_k = 0;
   int shared_prefix_len = 0;  // synthetic prompts: the same first tokens (a system prompt), then prompt_len random ones
   double slo_ttft = 1.0;      // seconds, for goodput
   double slo_tpot = 0.1;

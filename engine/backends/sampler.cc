@@ -1,0 +1,263 @@
+#include "engine/backends/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/cpu/vmath.h"
+#include "kernels/philox.h"
+
+namespace relgen {
+namespace {
+
+using cpu::vmath::V4;
+
+// Every pass over a row runs over blocks of kChunk ids; a block's mass is summed in four lanes
+// (i mod 4), so the sums are fixed by the row alone and cost a quarter of a serial walk.
+constexpr int kChunk = 256;
+
+inline uint32_t Key(float w) {  // w >= 0: the bits order as the values do (-0 and a NaN's sign dropped)
+  uint32_t k;
+  std::memcpy(&k, &w, sizeof(k));
+  return k & 0x7fffffffu;
+}
+
+// The candidates kept so far: id i stays iff key_i > bits, or key_i == bits and i <= last (the
+// order is w descending, lower id first).
+struct Cut {
+  uint32_t bits = 0;
+  int32_t last = std::numeric_limits<int32_t>::max();
+  bool Keeps(uint32_t key, int32_t i) const { return key > bits || (key == bits && i <= last); }
+};
+
+float MaxOf(const float* x, int n) {
+  V4 m = cpu::vmath::Splat(-INFINITY);
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    V4 v;
+    std::memcpy(&v, x + i, sizeof(v));
+    m = v > m ? v : m;
+  }
+  float r = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+int32_t Argmax(absl::Span<const float> x) {
+  const float m = MaxOf(x.data(), static_cast<int>(x.size()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (x[i] == m) return static_cast<int32_t>(i);
+  }
+  // NaN everywhere: nothing compares; the first id, as a float argmax would.
+  return 0;
+}
+
+// Sum of w over ids [begin, end) that `cut` keeps, in the four-lane order.
+double ChunkMass(const float* w, int begin, int end, const Cut& cut, bool all) {
+  double a[4] = {0, 0, 0, 0};
+  for (int i = begin; i < end; ++i) {
+    if (all || cut.Keeps(Key(w[i]), i)) a[i & 3] += w[i];
+  }
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// Applies the repetition penalty to a copy when there is one.
+absl::Span<const float> Penalised(absl::Span<const float> logits, const SamplingParams& p,
+                                  absl::Span<const int32_t> history, SamplerScratch* s) {
+  if (p.repetition_penalty == 1.0f || history.empty()) return logits;
+  const int v = static_cast<int>(logits.size());
+  s->x.assign(logits.begin(), logits.end());
+  s->ids.assign(history.begin(), history.end());
+  std::sort(s->ids.begin(), s->ids.end());
+  s->ids.erase(std::unique(s->ids.begin(), s->ids.end()), s->ids.end());
+  for (int32_t t : s->ids) {
+    if (t < 0 || t >= v) continue;
+    float& l = s->x[t];
+    l = l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty;
+  }
+  return s->x;
+}
+
+// The cut after the first candidate, in order, at which the running total (of w when `by_mass`,
+// else of ones) reaches `target`, among those `prev` keeps; `prev` when the total never does.
+// A radix selection on the bits of w: 11, 10 and 10 bits, then the tied ids in id order.
+Cut FindCut(const float* w, int v, const Cut& prev, bool by_mass, double target, SamplerScratch* s) {
+  std::vector<double>& bins = s->mass;
+  std::vector<int32_t>& ids = s->ids;
+  auto val = [&](int32_t i) { return by_mass ? static_cast<double>(w[i]) : 1.0; };
+  // Walks bins from the top; returns the bin where the total reaches target (acc: the total before it).
+  auto walk = [&](int nbins, double* acc) {
+    for (int b = nbins - 1; b >= 0; --b) {
+      if (*acc + bins[b] >= target) return b;
+      *acc += bins[b];
+    }
+    return -1;
+  };
+  double acc = 0;
+  bins.assign(2048, 0.0);
+  for (int i = 0; i < v; ++i) {
+    const uint32_t k = Key(w[i]);
+    if (prev.Keeps(k, i)) bins[k >> 20] += val(i);
+  }
+  const int b1 = walk(2048, &acc);
+  if (b1 < 0) return prev;
+  ids.clear();
+  for (int i = 0; i < v; ++i) {
+    const uint32_t k = Key(w[i]);
+    if ((k >> 20) == static_cast<uint32_t>(b1) && prev.Keeps(k, i)) ids.push_back(i);
+  }
+  bins.assign(1024, 0.0);
+  for (int32_t i : ids) bins[(Key(w[i]) >> 10) & 1023] += val(i);
+  const int b2 = walk(1024, &acc);
+  if (b2 < 0) return prev;
+  const uint32_t high = static_cast<uint32_t>(b1) << 20 | static_cast<uint32_t>(b2) << 10;
+  bins.assign(1024, 0.0);
+  for (int32_t i : ids) {
+    if ((Key(w[i]) & ~1023u) == high) bins[Key(w[i]) & 1023] += val(i);
+  }
+  const int b3 = walk(1024, &acc);
+  if (b3 < 0) return prev;
+  const uint32_t bits = high | static_cast<uint32_t>(b3);
+  for (int32_t i : ids) {
+    if (Key(w[i]) != bits) continue;
+    acc += val(i);
+    if (acc >= target) return Cut{bits, i};
+  }
+  return prev;
+}
+
+}  // namespace
+
+double SampleUniform(uint64_t seed, int index) { return philox::Uniform(seed, static_cast<uint64_t>(index)); }
+
+int32_t DrawToken(absl::Span<const float> logits, const SamplingParams& p, absl::Span<const int32_t> history,
+                  double u, SamplerScratch* s) {
+  const absl::Span<const float> x = Penalised(logits, p, history, s);
+  const int v = static_cast<int>(x.size());
+  const float mx = MaxOf(x.data(), v);
+  const float inv_t = 1.0f / p.temperature;
+  s->w.assign(x.begin(), x.end());
+  cpu::vmath::Map(s->w.data(), v, [&](V4 t) { return cpu::vmath::Exp((t - cpu::vmath::Splat(mx)) * cpu::vmath::Splat(inv_t)); });
+  const float* w = s->w.data();
+
+  Cut cut;
+  bool all = true;
+  if (p.top_k > 0 && p.top_k < v) {
+    cut = FindCut(w, v, cut, /*by_mass=*/false, p.top_k, s);
+    all = false;
+  }
+  const int chunks = (v + kChunk - 1) / kChunk;
+  auto masses = [&]() {
+    s->chunk.resize(chunks);
+    double total = 0;
+    for (int c = 0; c < chunks; ++c) total += (s->chunk[c] = ChunkMass(w, c * kChunk, std::min(v, (c + 1) * kChunk), cut, all));
+    return total;
+  };
+  double total = masses();
+  if (p.top_p < 1.0f) {
+    const Cut by_p = FindCut(w, v, cut, /*by_mass=*/true, static_cast<double>(p.top_p) * total, s);
+    if (by_p.bits != cut.bits || by_p.last != cut.last) {
+      cut = by_p;
+      all = false;
+      total = masses();
+    }
+  }
+  // The draw walks the kept ids in id order, a block at a time.
+  const double target = u * total;
+  double cum = 0;
+  int32_t last_kept = -1;
+  for (int c = 0; c < chunks; ++c) {
+    if (cum + s->chunk[c] <= target && c + 1 < chunks) {
+      cum += s->chunk[c];
+      continue;
+    }
+    for (int i = c * kChunk; i < std::min(v, (c + 1) * kChunk); ++i) {
+      if (!all && !cut.Keeps(Key(w[i]), i)) continue;
+      last_kept = i;
+      cum += w[i];
+      if (cum > target) return i;
+    }
+    // Rounding left the target just past this block: the next kept id takes it.
+  }
+  if (last_kept >= 0) return last_kept;
+  for (int i = v - 1; i >= 0; --i) {  // every weight underflowed: the largest logit, as greedy
+    if (all || cut.Keeps(Key(w[i]), i)) last_kept = i;
+  }
+  return std::max(last_kept, 0);
+}
+
+SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int top_n) {
+  const int v = static_cast<int>(logits.size());
+  const float mx = MaxOf(logits.data(), v);
+  double z = 0;
+  {
+    double a[4] = {0, 0, 0, 0};
+    int i = 0;
+    for (; i + 4 <= v; i += 4) {
+      V4 t;
+      std::memcpy(&t, logits.data() + i, sizeof(t));
+      t = cpu::vmath::Exp(t - cpu::vmath::Splat(mx));
+      for (int l = 0; l < 4; ++l) a[l] += t[l];
+    }
+    V4 t = cpu::vmath::Splat(-INFINITY);
+    for (int l = 0; i + l < v; ++l) t[l] = logits[i + l];
+    t = cpu::vmath::Exp(t - cpu::vmath::Splat(mx));
+    for (int l = 0; i + l < v; ++l) a[l] += t[l];
+    z = (a[0] + a[1]) + (a[2] + a[3]);
+  }
+  const double log_z = mx + std::log(z);
+  SampleResult out;
+  out.token = token;
+  out.logprob = static_cast<float>(logits[token] - log_z);
+  const int n = std::min(top_n, v);
+  if (n > 0) {
+    // The n best so far, best first; most ids fail the first comparison.
+    std::vector<int32_t> best;
+    best.reserve(n + 1);
+    auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+    for (int32_t i = 0; i < v; ++i) {
+      if (static_cast<int>(best.size()) == n && !better(i, best.back())) continue;
+      best.insert(std::upper_bound(best.begin(), best.end(), i, better), i);
+      if (static_cast<int>(best.size()) > n) best.pop_back();
+    }
+    for (int32_t i : best) out.top.push_back({i, static_cast<float>(logits[i] - log_z)});
+  }
+  return out;
+}
+
+SampleResult Sample(absl::Span<const float> logits, const SamplingParams& p, absl::Span<const int32_t> history,
+                    int index, SamplerScratch* scratch) {
+  int32_t token;
+  if (p.temperature == 0.0f) {
+    token = Argmax(Penalised(logits, p, history, scratch));
+  } else {
+    token = DrawToken(logits, p, history, SampleUniform(p.seed, index), scratch);
+  }
+  if (p.logprobs >= 0) return TokenLogprobs(logits, token, p.logprobs);
+  SampleResult out;
+  out.token = token;
+  return out;
+}
+
+void AnswerQueries(const float* logits, int vocab, absl::Span<const RowQuery> queries,
+                   std::vector<SampleResult>* results, const ParallelFor& parallel_for) {
+  results->assign(queries.size(), SampleResult());
+  auto run = [&](int begin, int end) {
+    thread_local SamplerScratch scratch;
+    for (int q = begin; q < end; ++q) {
+      const RowQuery& r = queries[q];
+      const absl::Span<const float> row(logits + static_cast<size_t>(r.row) * vocab, vocab);
+      (*results)[q] = r.params != nullptr ? Sample(row, *r.params, r.history, r.index, &scratch)
+                                          : TokenLogprobs(row, r.token, r.top_n);
+    }
+  };
+  const int n = static_cast<int>(queries.size());
+  if (parallel_for && n > 1) {
+    parallel_for(n, run);
+  } else {
+    run(0, n);
+  }
+}
+
+}  // namespace relgen
