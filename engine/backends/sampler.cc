@@ -5,16 +5,21 @@
 #include <cstring>
 #include <limits>
 
+// The 8-lane helpers are always inlined: no vector crosses a call boundary.
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 #include "kernels/cpu/vmath.h"
 #include "kernels/philox.h"
 
 namespace relgen {
 namespace {
 
-using cpu::vmath::V4;
 
-// Every pass over a row runs over blocks of kChunk ids; a block's mass is summed in four lanes
-// (i mod 4), so the sums are fixed by the row alone and cost a quarter of a serial walk.
+// Every pass over a row runs over blocks of kChunk ids; a block's mass is summed in eight lanes
+// (i mod 8), so the sums are fixed by the row alone and cost an eighth of a serial walk.
 constexpr int kChunk = 256;
 
 inline uint32_t Key(float w) {  // w >= 0: the bits order as the values do (-0 and a NaN's sign dropped)
@@ -31,17 +36,111 @@ struct Cut {
   bool Keeps(uint32_t key, int32_t i) const { return key > bits || (key == bits && i <= last); }
 };
 
-float MaxOf(const float* x, int n) {
-  V4 m = cpu::vmath::Splat(-INFINITY);
-  int i = 0;
-  for (; i + 4 <= n; i += 4) {
-    V4 v;
-    std::memcpy(&v, x + i, sizeof(v));
-    m = v > m ? v : m;
+typedef float V8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef uint32_t U8 __attribute__((vector_size(32)));
+
+// The row passes, on eight float lanes whatever the machine: compiled twice (the baseline and
+// AVX2 without FMA), the same arithmetic in the same order, so the bits match across machines.
+struct RowOps {
+  // Largest of x[0..n).
+  __attribute__((always_inline)) static float Max(const float* x, int n) {
+    V8 m = {};
+    m -= INFINITY;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      V8 v;
+      std::memcpy(&v, x + i, sizeof(v));
+      m = v > m ? v : m;
+    }
+    float r = -INFINITY;
+    for (int l = 0; l < 8; ++l) r = std::max(r, m[l]);
+    for (; i < n; ++i) r = std::max(r, x[i]);
+    return r;
   }
-  float r = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
-  for (; i < n; ++i) r = std::max(r, x[i]);
-  return r;
+  // w = exp((x - mx) * scale); chunk[c] = the sum of block c's w (lanes in float, then pairwise in double).
+  __attribute__((always_inline)) static void Weights(const float* x, int n, float mx, float scale, float* w,
+                                                     double* chunk) {
+    for (int c = 0; c * kChunk < n; ++c) {
+      const int end = std::min(n, (c + 1) * kChunk);
+      V8 acc = {};
+      for (int i = c * kChunk; i < end; i += 8) {
+        V8 t;
+        if (i + 8 <= end) {
+          std::memcpy(&t, x + i, sizeof(t));
+        } else {
+          for (int l = 0; l < 8; ++l) t[l] = i + l < end ? x[i + l] : -INFINITY;  // exp: 0
+        }
+        t = cpu::vmath::ExpN<V8, I8>((t - mx) * scale);
+        if (i + 8 <= end) {
+          std::memcpy(w + i, &t, sizeof(t));
+        } else {
+          for (int l = 0; i + l < end; ++l) w[i + l] = t[l];
+        }
+        acc += t;
+      }
+      chunk[c] = Lanes(acc);
+    }
+  }
+  // chunk[c] = the sum of block c's w over the ids `keeps(bits, last)` keeps.
+  __attribute__((always_inline)) static void KeptMass(const float* w, int n, uint32_t bits, int32_t last,
+                                                      double* chunk) {
+    const I8 step = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int c = 0; c * kChunk < n; ++c) {
+      const int end = std::min(n, (c + 1) * kChunk);
+      V8 acc = {};
+      for (int i = c * kChunk; i < end; i += 8) {
+        V8 t = {};
+        if (i + 8 <= end) {
+          std::memcpy(&t, w + i, sizeof(t));
+        } else {
+          for (int l = 0; i + l < end; ++l) t[l] = w[i + l];
+        }
+        const U8 key = reinterpret_cast<U8>(t) & 0x7fffffffu;
+        const I8 id = step + i;
+        const I8 keep = (key > bits) | ((key == bits) & (id <= last));
+        acc += keep ? t : V8{};
+      }
+      chunk[c] = Lanes(acc);
+    }
+  }
+  __attribute__((always_inline)) static double Lanes(V8 a) {
+    return ((static_cast<double>(a[0]) + a[1]) + (static_cast<double>(a[2]) + a[3])) +
+           ((static_cast<double>(a[4]) + a[5]) + (static_cast<double>(a[6]) + a[7]));
+  }
+};
+
+float MaxBase(const float* x, int n) { return RowOps::Max(x, n); }
+void WeightsBase(const float* x, int n, float mx, float scale, float* w, double* chunk) {
+  RowOps::Weights(x, n, mx, scale, w, chunk);
+}
+void KeptMassBase(const float* w, int n, uint32_t bits, int32_t last, double* chunk) {
+  RowOps::KeptMass(w, n, bits, last, chunk);
+}
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) float MaxAvx2(const float* x, int n) { return RowOps::Max(x, n); }
+__attribute__((target("avx2"))) void WeightsAvx2(const float* x, int n, float mx, float scale, float* w,
+                                                 double* chunk) {
+  RowOps::Weights(x, n, mx, scale, w, chunk);
+}
+__attribute__((target("avx2"))) void KeptMassAvx2(const float* w, int n, uint32_t bits, int32_t last,
+                                                  double* chunk) {
+  RowOps::KeptMass(w, n, bits, last, chunk);
+}
+const bool kAvx2 = __builtin_cpu_supports("avx2");
+#else
+const bool kAvx2 = false;
+#define MaxAvx2 MaxBase
+#define WeightsAvx2 WeightsBase
+#define KeptMassAvx2 KeptMassBase
+#endif
+
+float MaxOf(const float* x, int n) { return kAvx2 ? MaxAvx2(x, n) : MaxBase(x, n); }
+void Weights(const float* x, int n, float mx, float scale, float* w, double* chunk) {
+  kAvx2 ? WeightsAvx2(x, n, mx, scale, w, chunk) : WeightsBase(x, n, mx, scale, w, chunk);
+}
+void KeptMass(const float* w, int n, const Cut& cut, double* chunk) {
+  kAvx2 ? KeptMassAvx2(w, n, cut.bits, cut.last, chunk) : KeptMassBase(w, n, cut.bits, cut.last, chunk);
 }
 
 int32_t Argmax(absl::Span<const float> x) {
@@ -51,15 +150,6 @@ int32_t Argmax(absl::Span<const float> x) {
   }
   // NaN everywhere: nothing compares; the first id, as a float argmax would.
   return 0;
-}
-
-// Sum of w over ids [begin, end) that `cut` keeps, in the four-lane order.
-double ChunkMass(const float* w, int begin, int end, const Cut& cut, bool all) {
-  double a[4] = {0, 0, 0, 0};
-  for (int i = begin; i < end; ++i) {
-    if (all || cut.Keeps(Key(w[i]), i)) a[i & 3] += w[i];
-  }
-  return (a[0] + a[1]) + (a[2] + a[3]);
 }
 
 // Applies the repetition penalty to a copy when there is one.
@@ -136,31 +226,32 @@ int32_t DrawToken(absl::Span<const float> logits, const SamplingParams& p, absl:
   const absl::Span<const float> x = Penalised(logits, p, history, s);
   const int v = static_cast<int>(x.size());
   const float mx = MaxOf(x.data(), v);
-  const float inv_t = 1.0f / p.temperature;
-  s->w.assign(x.begin(), x.end());
-  cpu::vmath::Map(s->w.data(), v, [&](V4 t) { return cpu::vmath::Exp((t - cpu::vmath::Splat(mx)) * cpu::vmath::Splat(inv_t)); });
+  const int chunks = (v + kChunk - 1) / kChunk;
+  s->w.resize(v);
+  s->chunk.resize(chunks);
+  Weights(x.data(), v, mx, 1.0f / p.temperature, s->w.data(), s->chunk.data());
   const float* w = s->w.data();
+  auto total_of = [&] {
+    double total = 0;
+    for (int c = 0; c < chunks; ++c) total += s->chunk[c];
+    return total;
+  };
 
   Cut cut;
   bool all = true;
   if (p.top_k > 0 && p.top_k < v) {
     cut = FindCut(w, v, cut, /*by_mass=*/false, p.top_k, s);
     all = false;
+    KeptMass(w, v, cut, s->chunk.data());
   }
-  const int chunks = (v + kChunk - 1) / kChunk;
-  auto masses = [&]() {
-    s->chunk.resize(chunks);
-    double total = 0;
-    for (int c = 0; c < chunks; ++c) total += (s->chunk[c] = ChunkMass(w, c * kChunk, std::min(v, (c + 1) * kChunk), cut, all));
-    return total;
-  };
-  double total = masses();
+  double total = total_of();
   if (p.top_p < 1.0f) {
     const Cut by_p = FindCut(w, v, cut, /*by_mass=*/true, static_cast<double>(p.top_p) * total, s);
     if (by_p.bits != cut.bits || by_p.last != cut.last) {
       cut = by_p;
       all = false;
-      total = masses();
+      KeptMass(w, v, cut, s->chunk.data());
+      total = total_of();
     }
   }
   // The draw walks the kept ids in id order, a block at a time.
@@ -190,22 +281,13 @@ int32_t DrawToken(absl::Span<const float> logits, const SamplingParams& p, absl:
 SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int top_n) {
   const int v = static_cast<int>(logits.size());
   const float mx = MaxOf(logits.data(), v);
+  thread_local std::vector<float> w;
+  thread_local std::vector<double> chunk;
+  w.resize(v);
+  chunk.resize((v + kChunk - 1) / kChunk);
+  Weights(logits.data(), v, mx, 1.0f, w.data(), chunk.data());
   double z = 0;
-  {
-    double a[4] = {0, 0, 0, 0};
-    int i = 0;
-    for (; i + 4 <= v; i += 4) {
-      V4 t;
-      std::memcpy(&t, logits.data() + i, sizeof(t));
-      t = cpu::vmath::Exp(t - cpu::vmath::Splat(mx));
-      for (int l = 0; l < 4; ++l) a[l] += t[l];
-    }
-    V4 t = cpu::vmath::Splat(-INFINITY);
-    for (int l = 0; i + l < v; ++l) t[l] = logits[i + l];
-    t = cpu::vmath::Exp(t - cpu::vmath::Splat(mx));
-    for (int l = 0; i + l < v; ++l) a[l] += t[l];
-    z = (a[0] + a[1]) + (a[2] + a[3]);
-  }
+  for (double c : chunk) z += c;
   const double log_z = mx + std::log(z);
   SampleResult out;
   out.token = token;
@@ -216,10 +298,13 @@ SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int to
     std::vector<int32_t> best;
     best.reserve(n + 1);
     auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+    float worst = -INFINITY;
     for (int32_t i = 0; i < v; ++i) {
+      if (logits[i] < worst) continue;
       if (static_cast<int>(best.size()) == n && !better(i, best.back())) continue;
       best.insert(std::upper_bound(best.begin(), best.end(), i, better), i);
       if (static_cast<int>(best.size()) > n) best.pop_back();
+      if (static_cast<int>(best.size()) == n) worst = logits[best.back()];
     }
     for (int32_t i : best) out.top.push_back({i, static_cast<float>(logits[i] - log_z)});
   }

@@ -20,26 +20,32 @@ __attribute__((always_inline)) inline V4 Select(I4 mask, V4 a, V4 b) {  // mask 
   return reinterpret_cast<V4>((reinterpret_cast<I4>(a) & mask) | (reinterpret_cast<I4>(b) & ~mask));
 }
 
-__attribute__((always_inline)) inline V4 Exp(V4 x) {
-  const I4 under = x < Splat(-87.33654f);
-  x = Select(x > Splat(88.3762626f), Splat(88.3762626f), x);  // keeps 2^n finite
-  x = Select(under, Splat(-87.33654f), x);
+// Exp on any width of float lanes V (with I its int32 lanes): the same per-lane arithmetic, so a
+// lane's bits do not depend on the width it ran at.
+template <typename V, typename I>
+__attribute__((always_inline)) inline V ExpN(V x) {
+  const V zero = {};
+  const I under = x < zero - 87.33654f;
+  x = x > zero + 88.3762626f ? zero + 88.3762626f : x;  // keeps 2^n finite
+  x = under ? zero - 87.33654f : x;
   // n = round(x / ln 2), by truncation corrected to floor of x / ln 2 + 0.5.
-  const V4 fx = x * Splat(1.44269504088896341f) + Splat(0.5f);
-  I4 n = __builtin_convertvector(fx, I4);
-  n += reinterpret_cast<I4>(__builtin_convertvector(n, V4) > fx);  // true is -1: floor
-  const V4 nf = __builtin_convertvector(n, V4);
-  const V4 r = (x - nf * Splat(0.693359375f)) - nf * Splat(-2.12194440e-4f);
-  V4 p = Splat(1.9875691500e-4f);
-  p = p * r + Splat(1.3981999507e-3f);
-  p = p * r + Splat(8.3334519073e-3f);
-  p = p * r + Splat(4.1665795894e-2f);
-  p = p * r + Splat(1.6666665459e-1f);
-  p = p * r + Splat(5.0000001201e-1f);
-  const V4 y = p * (r * r) + r + Splat(1.0f);
-  const V4 scale = reinterpret_cast<V4>((n + 127) << 23);
-  return Select(under, Splat(0.0f), y * scale);
+  const V fx = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(fx, I);
+  n += reinterpret_cast<I>(__builtin_convertvector(n, V) > fx);  // true is -1: floor
+  const V nf = __builtin_convertvector(n, V);
+  const V r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  V p = zero + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const V y = p * (r * r) + r + 1.0f;
+  const V scale = reinterpret_cast<V>((n + 127) << 23);
+  return under ? zero : y * scale;
 }
+
+__attribute__((always_inline)) inline V4 Exp(V4 x) { return ExpN<V4, I4>(x); }
 
 __attribute__((always_inline)) inline V4 Erf(V4 x) {
   const I4 neg = x < Splat(0.0f);
