@@ -25,8 +25,11 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/relpos_device.h"
+#include "kernels/cuda/sampler_kernels.h"
+#include "kernels/philox.h"
 #include "kernels/relpos_host.h"
 #include "tests/hf_reference.h"
+#include "tests/sampling_reference.h"
 #include "tests/t5_reference.h"
 #include "tests/test_util.h"
 #if RELGEN_SIMT_EMULATOR
@@ -1196,6 +1199,196 @@ TEST(CudaKernelsTest, RowKernelsMatchCpuTwins) {
   expect_close(download(demb, emb.size()), emb, "embedding");
 }
 
+// ---- sampling on the device --------------------------------------------------------------
+
+// Runs AnswerRows on `logits` [rows, vocab]; u: per query, or empty for Philox's.
+std::vector<cuda::DeviceAnswer> AnswerOnDevice(const std::vector<float>& logits, int vocab,
+                                               const std::vector<cuda::DeviceQuery>& queries,
+                                               const std::vector<int32_t>& history, const std::vector<double>& u) {
+  auto up = [](const auto& v) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(1, v.size()) * sizeof(T)), cudaSuccess);
+    if (!v.empty()) EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    return d;
+  };
+  void* dl = up(logits);
+  void* dq = up(queries);
+  void* dh = up(history);
+  void* draw_ = up(std::vector<float>(history.size()));
+  void* du = u.empty() ? nullptr : up(u);
+  void* da = nullptr;
+  EXPECT_EQ(cudaMalloc(&da, queries.size() * sizeof(cuda::DeviceAnswer)), cudaSuccess);
+  EXPECT_EQ(cuda::AnswerRows(static_cast<float*>(dl), vocab, static_cast<const cuda::DeviceQuery*>(dq),
+                             static_cast<int>(queries.size()), static_cast<const int32_t*>(dh), static_cast<float*>(draw_),
+                             static_cast<const double*>(du), static_cast<cuda::DeviceAnswer*>(da), nullptr),
+            cudaSuccess);
+  std::vector<cuda::DeviceAnswer> out(queries.size());
+  EXPECT_EQ(cudaMemcpy(out.data(), da, out.size() * sizeof(cuda::DeviceAnswer), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (void* d : {dl, dq, dh, draw_, du, da}) {
+    if (d != nullptr) cudaFree(d);
+  }
+  return out;
+}
+
+cuda::DeviceQuery DrawQuery(const SamplingParams& p, int row, int history_len) {
+  cuda::DeviceQuery q;
+  q.row = row;
+  q.draw = 1;
+  q.top_n = p.logprobs;
+  q.temperature = p.temperature;
+  q.top_p = p.top_p;
+  q.repetition_penalty = p.repetition_penalty;
+  q.top_k = p.top_k;
+  q.seed = p.seed;
+  q.history_len = history_len;
+  return q;
+}
+
+std::vector<float> NormalLogits(int n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> l(n);
+  for (float& x : l) x = d(rng);
+  return l;
+}
+
+// Every control alone and combined: a draw at the middle of each token's interval of the reference's
+// cumulative distribution (kept tokens in id order) returns that token, so the kept set and every
+// kept probability are the reference's; a cut token is never returned.
+TEST(CudaSamplerTest, ExactDistributionPerControl) {
+  REQUIRE_GPU();
+  const int v = 48;
+  const std::vector<float> logits = NormalLogits(v, 21, 1.5f);
+  const std::vector<int32_t> history = {3, 17, 17, 40, 5, 3, 47};
+  struct Case {
+    float temperature;
+    int top_k;
+    float top_p;
+    float penalty;
+  };
+  const std::vector<Case> cases = {{1.0f, 0, 1.0f, 1.0f}, {0.7f, 0, 1.0f, 1.0f},  {1.0f, 9, 1.0f, 1.0f},
+                                   {1.0f, 0, 0.9f, 1.0f}, {1.0f, 0, 0.35f, 1.0f}, {1.0f, 0, 1.0f, 1.8f},
+                                   {0.8f, 12, 0.9f, 1.0f}, {0.6f, 20, 0.8f, 1.3f}, {1.5f, 30, 0.95f, 0.7f},
+                                   {0.9f, 1, 1.0f, 1.0f}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "T " << c.temperature << " top_k " << c.top_k << " top_p " << c.top_p
+                                      << " penalty " << c.penalty);
+    SamplingParams p;
+    p.temperature = c.temperature;
+    p.top_k = c.top_k;
+    p.top_p = c.top_p;
+    p.repetition_penalty = c.penalty;
+    const std::vector<double> ref = ReferenceProbs(logits, p, history);
+    std::vector<cuda::DeviceQuery> queries;
+    std::vector<double> u;
+    std::vector<int32_t> want;
+    double cum = 0;
+    for (int t = 0; t < v; ++t) {
+      if (ref[t] == 0) continue;
+      queries.push_back(DrawQuery(p, 0, static_cast<int>(history.size())));
+      u.push_back(cum + ref[t] / 2);
+      want.push_back(t);
+      cum += ref[t];
+    }
+    ASSERT_FALSE(queries.empty());
+    // A draw penalises its own row and history in place: each query gets its copies.
+    std::vector<float> rows;
+    std::vector<int32_t> histories;
+    for (size_t i = 0; i < queries.size(); ++i) {
+      queries[i].row = static_cast<int>(i);
+      queries[i].history_offset = static_cast<int>(histories.size());
+      rows.insert(rows.end(), logits.begin(), logits.end());
+      histories.insert(histories.end(), history.begin(), history.end());
+    }
+    const std::vector<cuda::DeviceAnswer> got = AnswerOnDevice(rows, v, queries, histories, u);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].token, want[i]) << "u " << u[i];
+  }
+}
+
+// Greedy (with the penalty), log-probabilities of the raw logits with their alternatives, scores of
+// given tokens, and Philox's draw: each against the float64 reference, and each the same alone as in
+// a batch beside the others (rows of one seed differ by their index alone).
+TEST(CudaSamplerTest, AnswersMatchTheReferenceAloneAndBatched) {
+  REQUIRE_GPU();
+  // One OS thread per CUDA thread: two draws beside two scores, on a smaller vocabulary.
+  const int v = OnThreads() ? 64 : 300, rows = OnThreads() ? 2 : 6;
+  std::vector<float> logits;
+  for (int r = 0; r < 2 * rows; ++r) {  // draws read rows 0..5, scores rows 6..11
+    const std::vector<float> row = NormalLogits(v, 100 + r, 2.0f);
+    logits.insert(logits.end(), row.begin(), row.end());
+  }
+  const std::vector<int32_t> one_history = {1, 5, 9, 5, 77, 250};
+  std::vector<int32_t> history;  // each draw's own copy
+  for (int r = 0; r < rows; ++r) history.insert(history.end(), one_history.begin(), one_history.end());
+  std::vector<cuda::DeviceQuery> queries;
+  std::vector<SamplingParams> params;
+  for (int r = 0; r < rows; ++r) {
+    SamplingParams p;
+    p.temperature = r % 3 == 0 ? 0.0f : 0.7f + 0.1f * r;
+    p.top_k = r % 2 ? 40 : 0;
+    p.top_p = r % 4 == 1 ? 0.9f : 1.0f;
+    p.repetition_penalty = 1.25f;
+    p.seed = 500 + r / 3;
+    p.logprobs = r % 3 == 2 ? -1 : 3 + r;
+    params.push_back(p);
+    cuda::DeviceQuery q = DrawQuery(p, r, static_cast<int>(one_history.size()));
+    q.history_offset = r * static_cast<int>(one_history.size());
+    q.index = 2 + r % 3;
+    queries.push_back(q);
+    cuda::DeviceQuery s;  // a score beside each draw, on another row
+    s.row = rows + (r + 1) % rows;
+    s.token = (37 * r + 1) % v;
+    s.top_n = r % 4;
+    queries.push_back(s);
+  }
+  const std::vector<cuda::DeviceAnswer> batched = AnswerOnDevice(logits, v, queries, history, {});
+  for (size_t i = 0; i < queries.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "query " << i);
+    const cuda::DeviceQuery& q = queries[i];
+    const std::vector<cuda::DeviceAnswer> alone = AnswerOnDevice(logits, v, {q}, history, {});  // fresh copies
+    EXPECT_EQ(alone[0].token, batched[i].token);
+    EXPECT_EQ(alone[0].logprob, batched[i].logprob);
+    ASSERT_EQ(alone[0].num_top, batched[i].num_top);
+    for (int k = 0; k < alone[0].num_top; ++k) {
+      EXPECT_EQ(alone[0].top_token[k], batched[i].top_token[k]);
+      EXPECT_EQ(alone[0].top_logprob[k], batched[i].top_logprob[k]);
+    }
+    const std::vector<float> row(logits.begin() + static_cast<size_t>(q.row) * v,
+                                 logits.begin() + static_cast<size_t>(q.row + 1) * v);
+    double mx = -INFINITY, z = 0;
+    for (float l : row) mx = std::max<double>(mx, l);
+    for (float l : row) z += std::exp(l - mx);
+    const double log_z = mx + std::log(z);
+    int32_t token = q.token;
+    if (q.draw) {
+      const SamplingParams& p = params[i / 2];
+      const std::vector<double> ref = ReferenceProbs(row, p, one_history);
+      if (p.temperature == 0) {
+        token = static_cast<int32_t>(std::max_element(ref.begin(), ref.end()) - ref.begin());
+      } else {
+        const double u = philox::Uniform(p.seed, static_cast<uint64_t>(q.index));
+        double cum = 0;
+        for (token = 0; token < v; ++token) {
+          if ((cum += ref[token]) > u && ref[token] > 0) break;
+        }
+      }
+      EXPECT_EQ(batched[i].token, token);
+    }
+    const int n = q.draw ? std::max(q.top_n, 0) : q.top_n;
+    if (q.top_n < 0) continue;
+    EXPECT_NEAR(batched[i].logprob, row[token] - log_z, 1e-5);
+    std::vector<int32_t> order(v);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return row[a] > row[b]; });
+    ASSERT_EQ(batched[i].num_top, n);
+    for (int k = 0; k < n; ++k) {
+      EXPECT_EQ(batched[i].top_token[k], order[k]);
+      EXPECT_NEAR(batched[i].top_logprob[k], row[order[k]] - log_z, 1e-5);
+    }
+  }
+}
+
 #if RELGEN_SIMT_EMULATOR
 // The backend built on the emulator says so wherever it names its device.
 TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
@@ -1358,6 +1551,70 @@ TEST(CudaEmulatorTest, CountsWork) {
     EXPECT_EQ(n.launch_errors, 0);
   }
   EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
+}
+
+// A decode step answered on the device sends one copy back, into page-locked memory: the answers
+// (ids and the log-probabilities asked for), not the logits. The ids are the host sampler's
+// greedy choices and the log-probabilities the host's within float rounding.
+TEST(CudaEmulatorTest, DecodeStepCopiesBackOnlyTheAnswers) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const ModelConfig& c = model->config();
+  CudaOptions o;
+  o.num_blocks = 16;
+  auto backend = NewCudaBackend(model, o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4, 5}, {9, 8, 7}, {42}};
+  const std::vector<std::vector<int32_t>> tables = {{0, 1}, {2, 3}, {4, 5}};
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  SamplingParams with_lp = greedy;
+  with_lp.logprobs = 3;
+  with_lp.repetition_penalty = 1.3f;
+  std::vector<SequenceStep> prefill;
+  for (size_t i = 0; i < prompts.size(); ++i) prefill.push_back({prompts[i], 0, tables[i], false});
+  std::vector<RowQuery> queries(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    queries[i].row = static_cast<int>(i);
+    queries[i].params = i == 1 ? &with_lp : &greedy;
+    queries[i].history = prompts[i];
+  }
+  std::vector<SampleResult> first;
+  ASSERT_TRUE((*backend)->ForwardSample(prefill, queries, &first).ok());
+  ASSERT_EQ(first.size(), prompts.size());
+  // The decode step: each sequence's sampled token at its next position.
+  std::vector<std::vector<int32_t>> next(prompts.size());
+  std::vector<SequenceStep> decode;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    next[i] = {first[i].token};
+    decode.push_back({next[i], static_cast<int>(prompts[i].size()), tables[i], false});
+  }
+  simt::ResetCounters();
+  std::vector<SampleResult> answers;
+  ASSERT_TRUE((*backend)->ForwardSample(decode, queries, &answers).ok());
+  const simt::Counters n = simt::GetCounters();
+  EXPECT_EQ(n.copies_d2h, 1);
+  EXPECT_EQ(n.bytes_d2h, static_cast<int64_t>(prompts.size() * sizeof(cuda::DeviceAnswer)));
+  EXPECT_LT(n.bytes_d2h, int64_t{c.vocab_size} * 4);
+  EXPECT_EQ(n.bytes_d2h_pageable, 0);
+  // The same step's logits (a fresh backend, the same steps) sampled on the host.
+  auto twin = NewCudaBackend(model, o);
+  ASSERT_TRUE(twin.ok());
+  std::vector<float> logits;
+  ASSERT_TRUE((*twin)->Forward(prefill, &logits).ok());
+  ASSERT_TRUE((*twin)->Forward(decode, &logits).ok());
+  std::vector<SampleResult> host;
+  AnswerQueries(logits.data(), c.vocab_size, queries, &host);
+  ASSERT_EQ(answers.size(), host.size());
+  for (size_t i = 0; i < host.size(); ++i) {
+    EXPECT_EQ(answers[i].token, host[i].token) << i;
+    EXPECT_NEAR(answers[i].logprob, host[i].logprob, 1e-5) << i;
+    ASSERT_EQ(answers[i].top.size(), host[i].top.size()) << i;
+    for (size_t k = 0; k < host[i].top.size(); ++k) {
+      EXPECT_EQ(answers[i].top[k].token, host[i].top[k].token);
+      EXPECT_NEAR(answers[i].top[k].logprob, host[i].top[k].logprob, 1e-5);
+    }
+  }
+  EXPECT_EQ(answers[1].top.size(), 3u);
 }
 
 // A decode step (one token per sequence) is one graph launch, captured once per batch size and

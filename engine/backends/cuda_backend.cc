@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cuda/decoder_kernels.h"
+#include "kernels/cuda/sampler_kernels.h"
 
 namespace relgen {
 namespace {
@@ -57,6 +58,22 @@ struct DeviceBuffer {
   }
   float* f() const { return static_cast<float*>(ptr); }
   int32_t* i() const { return static_cast<int32_t*>(ptr); }
+};
+
+// Page-locked host memory: copies from and into it run asynchronously, at the link's speed.
+struct PinnedBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  ~PinnedBuffer() { cudaFreeHost(ptr); }
+  absl::Status Reserve(size_t n) {
+    if (n <= bytes) return absl::OkStatus();
+    cudaFreeHost(ptr);
+    ptr = nullptr;
+    bytes = 0;
+    RELGEN_CUDA_RETURN(cudaMallocHost(&ptr, n));
+    bytes = n;
+    return absl::OkStatus();
+  }
 };
 
 int ActivationCode(cpu::Activation a) {
@@ -157,6 +174,11 @@ class CudaBackend final : public Backend {
           " MiB of buffers beside ", weight_bytes_ >> 20, " MiB of weights, and they do not fit (", st.message(),
           "); lower --max_batch_tokens or --max_num_seqs, or use a device with more memory"));
     }
+    if (absl::Status st = sample_up_.Reserve(largest.queries * sizeof(cuda::DeviceQuery) + largest.history * 4);
+        !st.ok()) {
+      return st;
+    }
+    if (absl::Status st = sample_down_.Reserve(largest.queries * sizeof(cuda::DeviceAnswer)); !st.ok()) return st;
     const int64_t per_block = CudaKvBytesPerToken(c, options_.kv_type) * kv_.block_size;
     if (kv_.num_blocks == 0) {
       size_t free = 0, total = 0;
@@ -221,7 +243,7 @@ class CudaBackend final : public Backend {
     BackendMemory m;
     m.weights = weight_bytes_;
     m.kv_cache = kv_bytes_;
-    for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_}) {
+    for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_, &sample_}) {
       m.activations += static_cast<int64_t>(b->bytes);
     }
     return m;
@@ -240,10 +262,27 @@ class CudaBackend final : public Backend {
     }
     return st;
   }
+  // The rows answered on the device (kernels/cuda/sampler_kernels.h): only the answers come back,
+  // into page-locked memory.
+  absl::Status ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
+                             std::vector<SampleResult>* results) override {
+    if (!broken_.ok()) return broken_;
+    absl::Status st = RunSteps(steps, nullptr);
+    if (st.ok()) st = AnswerOnDevice(queries, results);
+    if (!st.ok()) {
+      cudaGetLastError();
+      if (const cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+        broken_ = absl::InternalError(absl::StrCat(device(), ": ", cudaGetErrorString(e)));
+      }
+    }
+    return st;
+  }
   absl::Status Broken() const override { return broken_; }
 
  private:
+  // Enqueues the step; with `logits`, copies its rows' logits there and waits.
   absl::Status RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits);
+  absl::Status AnswerOnDevice(absl::Span<const RowQuery> queries, std::vector<SampleResult>* results);
   // A step's rows on the device (metadata uploaded) and the key counts its attention grids span.
   struct StepRows {
     int total = 0, kept = 0, max_keys = 1, max_input = 1;
@@ -274,6 +313,7 @@ class CudaBackend final : public Backend {
   struct StepShape {
     int64_t tokens = 0, kept = 0, tables = 0, encoded = 0;
     int max_keys = 1;
+    int64_t queries = 0, history = 0;  // rows answered on the device, their histories' tokens
   };
   StepShape LargestStep() const {
     const ModelConfig& c = model_->config();
@@ -284,6 +324,9 @@ class CudaBackend final : public Backend {
     s.kept = options_.max_step_tokens;
     s.tables = int64_t{options_.max_step_seqs} * per_seq;
     s.max_keys = c.max_seq_len;
+    // A query per kept row at most; a draw per sequence, each with its whole context as history.
+    s.queries = s.kept;
+    s.history = int64_t{options_.max_step_seqs} * c.max_seq_len;
     if (c.encoder_decoder) {
       // The scheduler's encoder budget, and an input longer than it encodes whole (alone): up to
       // max_seq_len rows. Cross tables too.
@@ -299,12 +342,16 @@ class CudaBackend final : public Backend {
     const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
     // Meta: 3 ints per decoder row, 2 more for its cross-attention, 6 per encoded row (RunSteps).
     const int64_t meta = (c.encoder_decoder ? 5 : 3) * s.tokens + s.tables + s.kept + 6 * s.encoded;
-    return {{&meta_, meta},
+    return {{&meta_, meta}, {&sample_, SampleBytes(s.queries, s.history) / 4},
             {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&qkv_, 3 * s.tokens * w},
             {&att_, s.tokens * w}, {&up_, s.tokens * f},
             {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
             {&work_, cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim, s.max_keys,
                                               options_.attention_split_keys)}};
+  }
+  // The device's sampling area: queries | histories | answers | the histories' raw logits.
+  static int64_t SampleBytes(int64_t queries, int64_t history) {
+    return queries * static_cast<int64_t>(sizeof(cuda::DeviceQuery) + sizeof(cuda::DeviceAnswer)) + history * 8;
   }
   int64_t StepBytes(const StepShape& s) {
     int64_t bytes = 0;
@@ -522,9 +569,84 @@ class CudaBackend final : public Backend {
   float* alibi_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
   absl::Status broken_;  // engine thread only, like Forward
-  DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_;
+  DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_, sample_;
+  PinnedBuffer sample_up_, sample_down_;  // queries and histories going up, answers coming back
   std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
+  int kept_ = 0;  // logits rows of the last step
 };
+
+absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries, std::vector<SampleResult>* results) {
+  const int vocab = model_->config().vocab_size;
+  const int n = static_cast<int>(queries.size());
+  int64_t history = 0;
+  for (const RowQuery& r : queries) {
+    if (r.row < 0 || r.row >= kept_) {
+      return absl::InvalidArgumentError(absl::StrCat("query of row ", r.row, "; the step kept ", kept_, " rows"));
+    }
+    const int top_n = r.params != nullptr ? r.params->logprobs : r.top_n;
+    if (top_n > cuda::kMaxAnswerTop || (r.params == nullptr && (r.token < 0 || r.token >= vocab))) {
+      return absl::InvalidArgumentError(absl::StrCat("query of token ", r.token, " with ", top_n,
+                                                     " alternatives; allowed ids 0..", vocab - 1, ", up to ",
+                                                     cuda::kMaxAnswerTop, " alternatives"));
+    }
+    if (r.params != nullptr && r.params->repetition_penalty != 1.0f) history += static_cast<int64_t>(r.history.size());
+  }
+  StepShape shape;
+  shape.queries = n;
+  shape.history = history;
+  if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
+  const size_t q_bytes = n * sizeof(cuda::DeviceQuery), a_bytes = n * sizeof(cuda::DeviceAnswer);
+  const size_t up_bytes = q_bytes + history * sizeof(int32_t);
+  if (absl::Status st = sample_up_.Reserve(up_bytes); !st.ok()) return st;
+  if (absl::Status st = sample_down_.Reserve(a_bytes); !st.ok()) return st;
+  auto* q = static_cast<cuda::DeviceQuery*>(sample_up_.ptr);
+  auto* h = reinterpret_cast<int32_t*>(static_cast<char*>(sample_up_.ptr) + q_bytes);
+  int32_t offset = 0;
+  for (int i = 0; i < n; ++i) {
+    const RowQuery& r = queries[i];
+    cuda::DeviceQuery d;
+    d.row = r.row;
+    if (r.params == nullptr) {
+      d.token = r.token;
+      d.top_n = r.top_n;
+    } else {
+      const SamplingParams& p = *r.params;
+      d.draw = 1;
+      d.top_n = p.logprobs;
+      d.temperature = p.temperature;
+      d.top_p = p.top_p;
+      d.repetition_penalty = p.repetition_penalty;
+      d.top_k = p.top_k;
+      d.seed = p.seed;
+      d.index = r.index;
+      if (p.repetition_penalty != 1.0f) {
+        d.history_offset = offset;
+        d.history_len = static_cast<int32_t>(r.history.size());
+        std::copy(r.history.begin(), r.history.end(), h + offset);
+        offset += d.history_len;
+      }
+    }
+    q[i] = d;
+  }
+  char* dev = static_cast<char*>(sample_.ptr);
+  auto* d_queries = reinterpret_cast<cuda::DeviceQuery*>(dev);
+  auto* d_history = reinterpret_cast<int32_t*>(dev + q_bytes);
+  auto* d_answers = reinterpret_cast<cuda::DeviceAnswer*>(dev + up_bytes);
+  auto* d_raw = reinterpret_cast<float*>(dev + up_bytes + a_bytes);
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, sample_up_.ptr, up_bytes, cudaMemcpyHostToDevice, stream_));
+  RELGEN_CUDA_RETURN(cuda::AnswerRows(logits_d_.f(), vocab, d_queries, n, d_history, d_raw, nullptr, d_answers, stream_));
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(sample_down_.ptr, d_answers, a_bytes, cudaMemcpyDeviceToHost, stream_));
+  RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  const auto* a = static_cast<const cuda::DeviceAnswer*>(sample_down_.ptr);
+  results->assign(n, SampleResult());
+  for (int i = 0; i < n; ++i) {
+    SampleResult& r = (*results)[i];
+    r.token = a[i].token;
+    r.logprob = a[i].logprob;
+    for (int k = 0; k < a[i].num_top; ++k) r.top.push_back({a[i].top_token[k], a[i].top_logprob[k]});
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CudaBackend::FeedForward(const std::string& p, int rows) {
   const ModelConfig& c = model_->config();
@@ -682,6 +804,8 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   const bool decode = encoded == 0 && kept == total && total == static_cast<int>(steps.size());
   step.tiled = total > static_cast<int>(steps.size());
   if (auto s = decode && options_.graphs ? DecodeGraph(step) : Decoder(step); !s.ok()) return s;
+  kept_ = kept;
+  if (logits == nullptr) return absl::OkStatus();
   logits->resize(int64_t{kept} * c.vocab_size);
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_d_.ptr, logits->size() * sizeof(float),
                                      cudaMemcpyDeviceToHost, stream_));

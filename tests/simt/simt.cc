@@ -95,6 +95,7 @@ bool EnvFlag(const char* name) {
 struct Runtime {
   std::mutex mu;  // everything below but launch_mu
   std::map<uintptr_t, size_t> allocations;
+  std::map<uintptr_t, size_t> pinned;  // cudaMallocHost's
   // Allocation base -> the stream whose copy or GEMM into it is not yet synchronized (nullptr:
   // the legacy stream).
   std::map<uintptr_t, const CUstream_st*> in_flight;
@@ -1159,7 +1160,37 @@ cudaError_t cudaFree(void* ptr) {
   return cudaSuccess;
 }
 
+cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
+  if (ptr == nullptr) return Fail(cudaErrorInvalidValue);
+  void* p = std::malloc(std::max<size_t>(bytes, 1));
+  if (p == nullptr) return Fail(cudaErrorMemoryAllocation);
+  std::lock_guard<std::mutex> l(R().mu);
+  R().pinned[reinterpret_cast<uintptr_t>(p)] = bytes;
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* ptr) {
+  if (ptr == nullptr) return cudaSuccess;
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().pinned.erase(reinterpret_cast<uintptr_t>(ptr)) == 0) {
+    std::fprintf(stderr, "simt: cudaFreeHost(%p): not page-locked host memory\n", ptr);
+    return Fail(cudaErrorInvalidValue);
+  }
+  std::free(ptr);
+  return cudaSuccess;
+}
+
 namespace {
+// Whether [p, p + bytes) lies in one cudaMallocHost allocation. Caller holds R().mu.
+bool InPinnedLocked(const void* p, size_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = R().pinned.upper_bound(a);
+  if (it == R().pinned.begin()) return false;
+  --it;
+  return a >= it->first && a - it->first <= it->second && bytes <= it->second - (a - it->first);
+}
+
 cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                  cudaStream_t stream) {
   SIMT_STICKY_RETURN();
@@ -1193,6 +1224,11 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
   (kind == cudaMemcpyHostToDevice   ? c.bytes_h2d
    : kind == cudaMemcpyDeviceToHost ? c.bytes_d2h
                                     : c.bytes_d2d) += static_cast<int64_t>(bytes);
+  if (kind == cudaMemcpyDeviceToHost) {
+    ++c.copies_d2h;
+    if (!InPinnedLocked(dst, bytes)) c.bytes_d2h_pageable += static_cast<int64_t>(bytes);
+  }
+  if (kind == cudaMemcpyHostToDevice && !InPinnedLocked(src, bytes)) c.bytes_h2d_pageable += static_cast<int64_t>(bytes);
   return cudaSuccess;
 }
 }  // namespace

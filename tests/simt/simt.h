@@ -33,6 +33,9 @@ struct Counters {
   int64_t gemms = 0;             // cuBLAS GEMMs run (batched: one per batch entry)
   int64_t gemm_flops = 0;        // 2*m*n*k summed
   int64_t bytes_h2d = 0, bytes_d2h = 0, bytes_d2d = 0;
+  int64_t copies_d2h = 0;            // device-to-host copies
+  int64_t bytes_d2h_pageable = 0;    // of bytes_d2h, into host memory not from cudaMallocHost
+  int64_t bytes_h2d_pageable = 0;    // of bytes_h2d, from host memory not from cudaMallocHost
   int64_t mallocs = 0, frees = 0;
   int64_t stream_hazards = 0;    // device memory read or written on one stream while another
                                  // stream's copy or GEMM into it is not ordered before (a fault)

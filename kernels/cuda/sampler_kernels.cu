@@ -1,0 +1,213 @@
+#include "kernels/cuda/sampler_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/philox.h"
+
+namespace relgen::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr float kQuantum = 1099511627776.0f;  // 2^40
+
+struct Pair {  // a value and its id; ordered by value descending, lower id first
+  float v;
+  int32_t id;
+};
+
+__device__ __forceinline__ bool Before(Pair a, Pair b) { return a.v > b.v || (a.v == b.v && a.id < b.id); }
+
+__device__ __forceinline__ uint32_t KeyOf(float w) {
+  uint32_t k;
+  memcpy(&k, &w, sizeof(k));
+  return k & 0x7fffffffu;
+}
+
+// Block-wide reductions through shared memory (every thread gets the result).
+template <typename T, typename F>
+__device__ T Reduce(T v, T* red, F combine) {
+  red[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (static_cast<int>(threadIdx.x) < s) red[threadIdx.x] = combine(red[threadIdx.x], red[threadIdx.x + s]);
+    __syncthreads();
+  }
+  const T r = red[0];
+  __syncthreads();
+  return r;
+}
+
+struct Smem {
+  unsigned long long u64[kThreads];
+  double f64[kThreads];
+  Pair pair[kThreads];
+};
+
+__global__ void AnswerRowsKernel(float* logits, int vocab, const DeviceQuery* queries, const int32_t* history,
+                                 float* history_raw, const double* u_override, DeviceAnswer* answers) {
+  __shared__ Smem sm;
+  const DeviceQuery q = queries[blockIdx.x];
+  float* row = logits + static_cast<int64_t>(q.row) * vocab;
+  DeviceAnswer* out = answers + blockIdx.x;
+  const int tid = threadIdx.x;
+  auto sum_u64 = [&](unsigned long long v) {
+    return Reduce(v, sm.u64, [](unsigned long long a, unsigned long long b) { return a + b; });
+  };
+  auto best = [&](Pair p) { return Reduce(p, sm.pair, [](Pair a, Pair b) { return Before(b, a) ? b : a; }); };
+  const Pair none{-INFINITY, 0x7fffffff};
+
+  // Log-probabilities of the raw logits, before anything changes the row.
+  double log_z = 0;
+  const bool want_lp = !q.draw || q.top_n >= 0;
+  if (want_lp) {
+    Pair m = none;
+    for (int i = tid; i < vocab; i += kThreads) m = Before(Pair{row[i], i}, m) ? Pair{row[i], i} : m;
+    const float mx = best(m).v;
+    double z = 0;
+    for (int i = tid; i < vocab; i += kThreads) z += expf(row[i] - mx);
+    z = Reduce(z, sm.f64, [](double a, double b) { return a + b; });
+    log_z = mx + log(z);
+    const int n = q.top_n < 0 ? 0 : q.top_n > kMaxAnswerTop ? kMaxAnswerTop : q.top_n;
+    Pair last{INFINITY, -1};
+    for (int k = 0; k < n && k < vocab; ++k) {
+      Pair c = none;
+      for (int i = tid; i < vocab; i += kThreads) {
+        const Pair p{row[i], i};
+        if (Before(last, p) && Before(p, c)) c = p;
+      }
+      last = best(c);
+      if (tid == 0) {
+        out->top_token[k] = last.id;
+        out->top_logprob[k] = static_cast<float>(last.v - log_z);
+      }
+    }
+    if (tid == 0) out->num_top = n < vocab ? n : vocab;
+  }
+  if (!q.draw) {
+    if (tid == 0) {
+      out->token = q.token;
+      out->logprob = static_cast<float>(row[q.token] - log_z);
+    }
+    return;
+  }
+
+  // The repetition penalty, in place: the raw values are kept beside the history first, and a
+  // token is penalised by the one thread its id maps to, so repeats never race.
+  const int32_t* hist = history + q.history_offset;
+  float* raw = history_raw + q.history_offset;
+  if (q.repetition_penalty != 1.0f) {
+    for (int j = tid; j < q.history_len; j += kThreads) raw[j] = row[hist[j]];
+    __syncthreads();
+    for (int j = 0; j < q.history_len; ++j) {
+      const int32_t t = hist[j];
+      if (t % kThreads != tid) continue;
+      const float l = raw[j];
+      row[t] = l > 0 ? l / q.repetition_penalty : l * q.repetition_penalty;
+    }
+    __syncthreads();
+  }
+  auto raw_of = [&](int32_t t) {
+    if (q.repetition_penalty != 1.0f) {
+      for (int j = 0; j < q.history_len; ++j) {
+        if (hist[j] == t) return raw[j];
+      }
+    }
+    return row[t];
+  };
+
+  int32_t token;
+  if (q.temperature == 0.0f) {
+    Pair m = none;
+    for (int i = tid; i < vocab; i += kThreads) m = Before(Pair{row[i], i}, m) ? Pair{row[i], i} : m;
+    token = best(m).id;
+  } else {
+    Pair m = none;
+    for (int i = tid; i < vocab; i += kThreads) m = Before(Pair{row[i], i}, m) ? Pair{row[i], i} : m;
+    const float mx = best(m).v;
+    const float inv_t = 1.0f / q.temperature;
+    auto w_of = [&](int i) { return expf((row[i] - mx) * inv_t); };
+    auto q_of = [&](float w) { return static_cast<unsigned long long>(w * kQuantum); };
+    // Kept: key > bk or (key == bk and id <= ik), for the top-k cut and the top-p cut.
+    uint32_t bk = 0, bp = 0;
+    int32_t ik = 0x7fffffff, ip = 0x7fffffff;
+    auto kept = [&](uint32_t key, int i) {
+      return (key > bk || (key == bk && i <= ik)) && (key > bp || (key == bp && i <= ip));
+    };
+    // sum over ids <= last of `f(i, key, w)` (counts or masses).
+    auto total = [&](int last, auto f) {
+      unsigned long long s = 0;
+      for (int i = tid; i <= last; i += kThreads) {
+        const float w = w_of(i);
+        s += f(i, KeyOf(w), w);
+      }
+      return sum_u64(s);
+    };
+    // The cut at which the running total, in (w descending, id ascending) order, first reaches
+    // `target` among the kept: the largest key b whose at-or-above total reaches it, then the
+    // smallest tied id that does.
+    auto cut = [&](bool by_mass, unsigned long long target, uint32_t* b_out, int32_t* i_out) {
+      auto val = [&](float w) { return by_mass ? q_of(w) : 1ull; };
+      uint32_t lo = 0, hi = 0x7fffffffu;
+      while (lo < hi) {
+        const uint32_t mid = lo + (hi - lo + 1) / 2;
+        const unsigned long long s =
+            total(vocab - 1, [&](int i, uint32_t key, float w) { return key >= mid && kept(key, i) ? val(w) : 0ull; });
+        if (s >= target) lo = mid; else hi = mid - 1;
+      }
+      const uint32_t b = lo;
+      const unsigned long long above =
+          total(vocab - 1, [&](int i, uint32_t key, float w) { return key > b && kept(key, i) ? val(w) : 0ull; });
+      int32_t ilo = 0, ihi = vocab - 1;
+      while (ilo < ihi) {
+        const int32_t mid = ilo + (ihi - ilo) / 2;
+        const unsigned long long s =
+            total(mid, [&](int i, uint32_t key, float w) { return key == b && kept(key, i) ? val(w) : 0ull; });
+        if (above + s >= target) ihi = mid; else ilo = mid + 1;
+      }
+      *b_out = b;
+      *i_out = ilo;
+    };
+    if (q.top_k > 0 && q.top_k < vocab) cut(false, static_cast<unsigned long long>(q.top_k), &bk, &ik);
+    if (q.top_p < 1.0f) {
+      const unsigned long long mass =
+          total(vocab - 1, [&](int i, uint32_t key, float w) { return kept(key, i) ? q_of(w) : 0ull; });
+      const unsigned long long target =
+          static_cast<unsigned long long>(ceil(static_cast<double>(q.top_p) * static_cast<double>(mass)));
+      if (target < mass) cut(true, target > 0 ? target : 1ull, &bp, &ip);
+    }
+    const unsigned long long mass =
+        total(vocab - 1, [&](int i, uint32_t key, float w) { return kept(key, i) ? q_of(w) : 0ull; });
+    const double u = u_override != nullptr ? u_override[blockIdx.x]
+                                           : philox::Uniform(q.seed, static_cast<uint64_t>(q.index));
+    unsigned long long target = static_cast<unsigned long long>(u * static_cast<double>(mass));
+    if (target >= mass) target = mass - 1;
+    int32_t lo = 0, hi = vocab - 1;
+    while (lo < hi) {
+      const int32_t mid = lo + (hi - lo) / 2;
+      const unsigned long long s =
+          total(mid, [&](int i, uint32_t key, float w) { return kept(key, i) ? q_of(w) : 0ull; });
+      if (s > target) hi = mid; else lo = mid + 1;
+    }
+    token = lo;
+  }
+  if (tid == 0) {
+    out->token = token;
+    out->logprob = want_lp ? static_cast<float>(raw_of(token) - log_z) : 0.0f;
+    if (!want_lp) out->num_top = 0;
+  }
+}
+
+}  // namespace
+
+cudaError_t AnswerRows(float* logits, int vocab, const DeviceQuery* queries, int n, const int32_t* history,
+                       float* history_raw, const double* u, DeviceAnswer* answers, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  RELGEN_LAUNCH(AnswerRowsKernel, n, kThreads, 0, stream)(logits, vocab, queries, history, history_raw, u, answers);
+  return cudaGetLastError();
+}
+
+}  // namespace relgen::cuda
