@@ -1554,7 +1554,8 @@ TEST(CudaEmulatorTest, CountsWork) {
 }
 
 // A decode step answered on the device sends one copy back, into page-locked memory: the answers
-// (ids and the log-probabilities asked for), not the logits. The ids are the host sampler's
+// (ids and the log-probabilities asked for), not the logits; what goes up comes from page-locked
+// memory too. The ids are the host sampler's
 // greedy choices and the log-probabilities the host's within float rounding.
 TEST(CudaEmulatorTest, DecodeStepCopiesBackOnlyTheAnswers) {
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
@@ -1596,6 +1597,9 @@ TEST(CudaEmulatorTest, DecodeStepCopiesBackOnlyTheAnswers) {
   EXPECT_EQ(n.bytes_d2h, static_cast<int64_t>(prompts.size() * sizeof(cuda::DeviceAnswer)));
   EXPECT_LT(n.bytes_d2h, int64_t{c.vocab_size} * 4);
   EXPECT_EQ(n.bytes_d2h_pageable, 0);
+  // Up: the step's metadata, the queries (and the penalty's history), from page-locked memory.
+  EXPECT_GT(n.bytes_h2d, 0);
+  EXPECT_EQ(n.bytes_h2d_pageable, 0);
   // The same step's logits (a fresh backend, the same steps) sampled on the host.
   auto twin = NewCudaBackend(model, o);
   ASSERT_TRUE(twin.ok());

@@ -174,6 +174,7 @@ class CudaBackend final : public Backend {
           " MiB of buffers beside ", weight_bytes_ >> 20, " MiB of weights, and they do not fit (", st.message(),
           "); lower --max_batch_tokens or --max_num_seqs, or use a device with more memory"));
     }
+    if (absl::Status st = meta_up_.Reserve(meta_.bytes); !st.ok()) return st;
     if (absl::Status st = sample_up_.Reserve(largest.queries * sizeof(cuda::DeviceQuery) + largest.history * 4);
         !st.ok()) {
       return st;
@@ -570,6 +571,7 @@ class CudaBackend final : public Backend {
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
   absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_, sample_;
+  PinnedBuffer meta_up_;                  // a step's metadata going up
   PinnedBuffer sample_up_, sample_down_;  // queries and histories going up, answers coming back
   std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
   int kept_ = 0;  // logits rows of the last step
@@ -768,7 +770,11 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   shape.encoded = encoded;
   shape.max_keys = std::max({max_keys, max_input, max_encoded});
   if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
-  RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, meta.data(), meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  // Up from page-locked memory: an asynchronous copy at the link's speed. The previous step's
+  // copy has finished (every step ends in a synchronize), so the staging area is free.
+  if (absl::Status st = meta_up_.Reserve(meta.size() * sizeof(int32_t)); !st.ok()) return st;
+  std::copy(meta.begin(), meta.end(), static_cast<int32_t*>(meta_up_.ptr));
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, meta_up_.ptr, meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   StepRows step;
   step.total = total;
   step.kept = kept;
