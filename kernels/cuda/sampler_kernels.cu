@@ -47,7 +47,7 @@ struct Smem {
   Pair pair[kThreads];
 };
 
-__global__ void AnswerRowsKernel(float* logits, int vocab, const DeviceQuery* queries, const int32_t* history,
+__global__ void __launch_bounds__(kThreads) AnswerRowsKernel(float* logits, int vocab, const DeviceQuery* queries, const int32_t* history,
                                  float* history_raw, const double* u_override, DeviceAnswer* answers) {
   __shared__ Smem sm;
   const DeviceQuery q = queries[blockIdx.x];
@@ -100,11 +100,12 @@ __global__ void AnswerRowsKernel(float* logits, int vocab, const DeviceQuery* qu
   const int32_t* hist = history + q.history_offset;
   float* raw = history_raw + q.history_offset;
   if (q.repetition_penalty != 1.0f) {
-    for (int j = tid; j < q.history_len; j += kThreads) raw[j] = row[hist[j]];
+    // Ids outside the vocabulary are skipped, as the host sampler skips them.
+    for (int j = tid; j < q.history_len; j += kThreads) raw[j] = hist[j] >= 0 && hist[j] < vocab ? row[hist[j]] : 0.0f;
     __syncthreads();
     for (int j = 0; j < q.history_len; ++j) {
       const int32_t t = hist[j];
-      if (t % kThreads != tid) continue;
+      if (t < 0 || t >= vocab || t % kThreads != tid) continue;
       const float l = raw[j];
       row[t] = l > 0 ? l / q.repetition_penalty : l * q.repetition_penalty;
     }
