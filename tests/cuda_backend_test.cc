@@ -1245,14 +1245,6 @@ cuda::DeviceQuery DrawQuery(const SamplingParams& p, int row, int history_len) {
   return q;
 }
 
-std::vector<float> NormalLogits(int n, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> l(n);
-  for (float& x : l) x = d(rng);
-  return l;
-}
-
 // Every control alone and combined: a draw at the middle of each token's interval of the reference's
 // cumulative distribution (kept tokens in id order) returns that token, so the kept set and every
 // kept probability are the reference's; a cut token is never returned.

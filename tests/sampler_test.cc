@@ -31,14 +31,6 @@ std::map<int32_t, double> Frequencies(const std::vector<float>& logits, const Sa
   return f;
 }
 
-std::vector<float> RandomLogits(int v, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> l(v);
-  for (float& x : l) x = d(rng);
-  return l;
-}
-
 // Sweeps the draw over a grid of u: the share of u choosing each token is its probability to
 // within the grid's spacing, exactly, with no statistical slack.
 void ExpectExactDistribution(const std::vector<float>& logits, const SamplingParams& p,
@@ -87,7 +79,7 @@ TEST(SamplerTest, GreedyIsArgmaxWithLowestIdOnTies) {
   SamplingParams p;
   p.temperature = 0;
   EXPECT_EQ(Sample(std::vector<float>{0.1f, 2.0f, -1.0f, 2.0f}, p, {}, 0, &scratch).token, 1);
-  const std::vector<float> big = RandomLogits(250880, 3, 2.0f);
+  const std::vector<float> big = NormalLogits(250880, 3, 2.0f);
   EXPECT_EQ(Sample(big, p, {}, 0, &scratch).token, std::max_element(big.begin(), big.end()) - big.begin());
 }
 
@@ -162,7 +154,7 @@ TEST(SamplerTest, ExactDistributionPerControl) {
   };
   const std::vector<int32_t> history = {3, 17, 17, 40, 299, 5, 3, 128};
   for (int v : {300, 1000}) {
-    const std::vector<float> logits = RandomLogits(v, 11 + v, 1.5f);
+    const std::vector<float> logits = NormalLogits(v, 11 + v, 1.5f);
     for (const Case& c : cases) {
       SCOPED_TRACE(testing::Message() << "vocab " << v << " T " << c.temperature << " top_k " << c.top_k
                                       << " top_p " << c.top_p << " penalty " << c.penalty);
@@ -181,7 +173,7 @@ TEST(SamplerTest, ExactDistributionPerControl) {
 // rounding of a boundary, its kept neighbour.
 TEST(SamplerTest, LargeVocabularyCutsMatchTheReference) {
   const int v = 250880;
-  const std::vector<float> logits = RandomLogits(v, 5, 3.0f);
+  const std::vector<float> logits = NormalLogits(v, 5, 3.0f);
   for (const auto& [k, top_p] : std::vector<std::pair<int, float>>{{50, 1.0f}, {0, 0.9f}, {0, 0.5f}, {1000, 0.9f}}) {
     SCOPED_TRACE(testing::Message() << "top_k " << k << " top_p " << top_p);
     SamplingParams p;
@@ -266,7 +258,7 @@ TEST(SamplerTest, LogprobsOfTheRawDistribution) {
 }
 
 TEST(SamplerTest, TokenLogprobsOfALargeRow) {
-  const std::vector<float> logits = RandomLogits(50432, 9, 4.0f);
+  const std::vector<float> logits = NormalLogits(50432, 9, 4.0f);
   double mx = -INFINITY, z = 0;
   for (float l : logits) mx = std::max<double>(mx, l);
   for (float l : logits) z += std::exp(l - mx);
@@ -289,7 +281,7 @@ TEST(SamplerTest, AnswersAreTheSameAloneAndBatched) {
   const int v = 4000, rows = 16;
   std::vector<float> logits;
   for (int r = 0; r < rows; ++r) {
-    const std::vector<float> row = RandomLogits(v, 100 + r, 1.0f);
+    const std::vector<float> row = NormalLogits(v, 100 + r, 1.0f);
     logits.insert(logits.end(), row.begin(), row.end());
   }
   std::vector<SamplingParams> params(rows);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "engine/backends/sampler.h"
@@ -47,6 +48,15 @@ inline std::vector<double> ReferenceProbs(const std::vector<float>& logits, cons
   }
   for (int i = 0; i < keep; ++i) probs[order[i]] = w[order[i]] / total;
   return probs;
+}
+
+// `n` logits drawn from N(0, scale), reproducible by `seed`.
+inline std::vector<float> NormalLogits(int n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> l(n);
+  for (float& x : l) x = d(rng);
+  return l;
 }
 
 }  // namespace relgen

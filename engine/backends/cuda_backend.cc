@@ -42,39 +42,30 @@ absl::Status CublasStatus(cublasStatus_t e, const char* what, const char* file, 
     }                                                                                 \
   } while (0)
 
-// A device buffer that grows and never shrinks.
-struct DeviceBuffer {
+// A buffer that grows and never shrinks: device memory, or page-locked host memory (`kPinned`),
+// which copies from and into run asynchronously, at the link's speed.
+template <bool kPinned>
+struct GrowingBuffer {
   void* ptr = nullptr;
   size_t bytes = 0;
-  ~DeviceBuffer() { cudaFree(ptr); }
+  ~GrowingBuffer() { Release(); }
   absl::Status Reserve(size_t n) {
     if (n <= bytes) return absl::OkStatus();
-    cudaFree(ptr);
-    ptr = nullptr;
-    bytes = 0;
-    RELGEN_CUDA_RETURN(cudaMalloc(&ptr, n));
+    Release();
+    RELGEN_CUDA_RETURN(kPinned ? cudaMallocHost(&ptr, n) : cudaMalloc(&ptr, n));
     bytes = n;
     return absl::OkStatus();
+  }
+  void Release() {
+    kPinned ? cudaFreeHost(ptr) : cudaFree(ptr);
+    ptr = nullptr;
+    bytes = 0;
   }
   float* f() const { return static_cast<float*>(ptr); }
   int32_t* i() const { return static_cast<int32_t*>(ptr); }
 };
-
-// Page-locked host memory: copies from and into it run asynchronously, at the link's speed.
-struct PinnedBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  ~PinnedBuffer() { cudaFreeHost(ptr); }
-  absl::Status Reserve(size_t n) {
-    if (n <= bytes) return absl::OkStatus();
-    cudaFreeHost(ptr);
-    ptr = nullptr;
-    bytes = 0;
-    RELGEN_CUDA_RETURN(cudaMallocHost(&ptr, n));
-    bytes = n;
-    return absl::OkStatus();
-  }
-};
+using DeviceBuffer = GrowingBuffer<false>;
+using PinnedBuffer = GrowingBuffer<true>;
 
 int ActivationCode(cpu::Activation a) {
   switch (a) {
