@@ -47,7 +47,6 @@ struct SampleResult {
 struct SamplerScratch {
   std::vector<float> x, w;
   std::vector<double> mass, chunk;
-  std::vector<uint32_t> count;
   std::vector<int32_t> ids;
 };
 
