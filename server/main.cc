@@ -76,6 +76,9 @@ ABSL_FLAG(int32_t, kv_block_size, 16, "tokens per KV cache block");
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "reuse the KV blocks of prompt prefixes computed before (same outputs either way); "
           "--noenable_prefix_caching turns it off");
+ABSL_FLAG(bool, overlap_steps, true,
+          "on a GPU, launch each step before the previous one's tokens reach the host, so scheduling and "
+          "output processing overlap the device's work (same outputs either way); --nooverlap_steps turns it off");
 ABSL_FLAG(int32_t, max_new_tokens, 4096, "largest max_new_tokens a request may ask for");
 ABSL_FLAG(int32_t, default_max_new_tokens, 128, "max_new_tokens when a request does not set it");
 ABSL_FLAG(int64_t, max_prompt_bytes, 256 << 10, "largest text prompt in bytes (INVALID_ARGUMENT beyond)");
@@ -199,6 +202,7 @@ int Main(int argc, char** argv) {
   o.kv_cache_memory_fraction = absl::GetFlag(FLAGS_kv_cache_memory_fraction);
   o.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
   o.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
+  o.overlap_steps = absl::GetFlag(FLAGS_overlap_steps);
   o.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
   o.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
   o.max_prompt_bytes = absl::GetFlag(FLAGS_max_prompt_bytes);
@@ -330,6 +334,7 @@ int Main(int argc, char** argv) {
   ec.scheduler.max_encoder_tokens = o.max_encoder_tokens;
   ec.max_waiting = o.max_waiting;
   ec.prefix_caching = o.enable_prefix_caching;
+  ec.overlap_steps = o.overlap_steps;
   ec.observer = metrics;
   auto engine = Engine::Create(*model, *std::move(backend), std::shared_ptr<const Tokenizer>(*std::move(tokenizer)), ec);
   if (!engine.ok()) return Fail(std::string(engine.status().message()));

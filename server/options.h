@@ -23,6 +23,7 @@ struct Options {
   double kv_cache_memory_fraction = 0.2;
   int kv_block_size = 16;
   bool enable_prefix_caching = true;     // reuse computed prompt prefixes' KV blocks
+  bool overlap_steps = true;             // an asynchronous backend: launch step N+1 before N lands
   int max_new_tokens = 4096;             // largest a request may ask for
   int default_max_new_tokens = 128;
   int64_t max_prompt_bytes = 256 << 10;  // text prompts

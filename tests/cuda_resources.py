@@ -90,6 +90,7 @@ BUDGETS = {
     "LinearKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (loads in flight over occupancy)
     # kernels/cuda/sampler_kernels.cu
     "AnswerRowsKernel": Budget(threads=256, regs=64),  # >= 50%: 4 blocks x 8 warps (a block per row, L2-bound passes)
+    "FeedTokensKernel": Budget(threads=256, regs=32),  # 100%
     # kernels/cuda/relpos_device.cu
     "RelIndexKernel": Budget(threads=256, regs=32),  # 100% (16x16 blocks)
 }

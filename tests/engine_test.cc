@@ -4,7 +4,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -301,6 +303,224 @@ TEST(EngineCancelTest, RandomMomentsWhileRunning) {
   EXPECT_EQ(engine->Stats().finished, 24);
   EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
   EXPECT_GT(cancelled, 0);
+}
+
+// ---- overlapped steps
+
+// The CPU backend presented as asynchronous, so the engine launches each step before landing the
+// one before it (the backend's default Launch takes the fed tokens from the draws it holds). The
+// test can hold a Collect until it lets it go.
+class AheadBackend : public Backend {
+ public:
+  explicit AheadBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  absl::string_view name() const override { return inner_->name(); }
+  std::string device() const override { return inner_->device(); }
+  BackendMemory memory() const override { return inner_->memory(); }
+  std::string weights_dtype() const override { return inner_->weights_dtype(); }
+  std::string kv_cache_dtype() const override { return inner_->kv_cache_dtype(); }
+  const KvCacheConfig& kv_cache() const override { return inner_->kv_cache(); }
+  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override {
+    return inner_->Forward(steps, logits);
+  }
+  bool asynchronous() const override { return true; }
+  absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
+    int fed = 0;
+    for (const SequenceStep& s : steps) fed += s.fed_query >= 0 ? 1 : 0;
+    for (const RowQuery& q : queries) fed += q.fed_query >= 0 ? 1 : 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++launches_;
+      if (launches_ - collects_ >= 2) ++ahead_;
+      fed_ += fed;
+      cv_.notify_all();
+    }
+    return inner_->Launch(steps, queries);
+  }
+  absl::Status Collect(std::vector<SampleResult>* results) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (collects_ + 1 == hold_) {
+        held_ = true;
+        cv_.notify_all();
+        cv_.wait(lock, [this] { return hold_ == 0; });
+        held_ = false;
+      }
+    }
+    absl::Status st = inner_->Collect(results);
+    std::unique_lock<std::mutex> lock(mu_);
+    ++collects_;
+    return st;
+  }
+
+  // The k-th Collect (from 1) waits for Release.
+  void HoldCollect(int k) {
+    std::unique_lock<std::mutex> lock(mu_);
+    hold_ = k;
+  }
+  // Waits until the held Collect is waiting and `launches` launches have been made; false if that
+  // does not happen in a generous bound (the engine did not launch ahead).
+  bool WaitWhileHeld(int launches) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(120), [&] { return held_ && launches_ >= launches; });
+  }
+  void Release() {
+    std::unique_lock<std::mutex> lock(mu_);
+    hold_ = 0;
+    cv_.notify_all();
+  }
+  int launches() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return launches_;
+  }
+  int ahead() {  // launches made while another was outstanding
+    std::unique_lock<std::mutex> lock(mu_);
+    return ahead_;
+  }
+  int fed() {  // tokens fed from a launch not yet collected
+    std::unique_lock<std::mutex> lock(mu_);
+    return fed_;
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int launches_ = 0, collects_ = 0, ahead_ = 0, fed_ = 0, hold_ = 0;
+  bool held_ = false;
+};
+
+std::unique_ptr<Engine> MakeAheadEngine(const std::string& scheme, const EngineSetup& s, AheadBackend** ahead) {
+  auto model = Model::Load(testing::GoldenDir() + "/engine/" + scheme);
+  EXPECT_TRUE(model.ok()) << model.status();
+  auto inner = NewCpuBackend(*model, KvCacheConfig{16, s.num_blocks}, 2, s.weights, s.kv_type);
+  EXPECT_TRUE(inner.ok()) << inner.status();
+  auto backend = std::make_unique<AheadBackend>(*std::move(inner));
+  *ahead = backend.get();
+  EngineConfig config;
+  config.scheduler.max_batch_tokens = s.max_batch_tokens;
+  config.scheduler.max_num_seqs = s.max_num_seqs;
+  config.check_invariants = true;
+  auto engine = Engine::Create(*model, std::move(backend), NewByteTokenizer(), config);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return *std::move(engine);
+}
+
+// Step N + 1 is planned, built and launched while step N is held on the device: its decode token
+// is fed from step N's draw, which the host has not seen.
+TEST(OverlapTest, TheNextStepIsLaunchedWhileAStepIsHeld) {
+  AheadBackend* ahead = nullptr;
+  auto engine = MakeAheadEngine("skew", EngineSetup{}, &ahead);
+  Request r = Prompt(5, 8);
+  r.sampling.temperature = 0.8f;
+  r.sampling.seed = 11;
+  r.sampling.repetition_penalty = 1.4f;
+  ahead->HoldCollect(1);  // the prefill's answers
+  auto h = *engine->Submit(r);
+  ASSERT_TRUE(ahead->WaitWhileHeld(2)) << "step 2 was not launched while step 1 was held";
+  EXPECT_EQ(ahead->ahead(), 1);
+  EXPECT_EQ(ahead->fed(), 2);  // its token and its repetition penalty's history
+  Output o;
+  EXPECT_FALSE(h->Next(&o, absl::ZeroDuration())) << "a token before step 1 landed";
+  ahead->Release();
+  const Result got = Drain(*h);
+  EXPECT_EQ(got.tokens.size(), 8u);
+  // The same as one step at a time.
+  auto sync = MakeEngine("skew", EngineSetup{});
+  EXPECT_EQ(got.tokens, Drain(**sync->Submit(r)).tokens);
+  EXPECT_GE(ahead->ahead(), 7);
+}
+
+// Batching, chunked prefill, stops (a sequence ends while its next step is in flight), sampling
+// with every control, log-probabilities and preemption (which lands the step in flight first):
+// the outputs are each request's alone, one step at a time.
+class OverlapSchemeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(OverlapSchemeTest, OutputsEqualAloneOneStepAtATime) {
+  std::vector<Request> work = Workload();
+  const std::vector<Result> free_run = RunAlone(GetParam(), work);
+  int stops = 0;
+  for (size_t i = 0; i < work.size(); ++i) {
+    const Result& f = free_run[i];
+    if (f.tokens.size() < 6) continue;
+    if (i % 3 == 0) work[i].stop.stop_token_ids = {f.tokens[f.tokens.size() / 2]};
+    if (i % 3 == 1) work[i].stop.stop_strings = {f.text.substr(f.text.size() / 2, 2)};
+    stops += i % 3 != 2 ? 1 : 0;
+  }
+  ASSERT_GT(stops, 5);
+  const std::vector<Result> alone = RunAlone(GetParam(), work);
+  int stopped = 0;
+  for (const Result& a : alone) stopped += a.reason == FinishReason::kStop ? 1 : 0;
+  EXPECT_GE(stopped, 5);
+  // The pool ample, then small (24 blocks for the free run's ~5000 tokens, 22 for the longest alone).
+  for (int num_blocks : {1024, 24}) {
+    SCOPED_TRACE(num_blocks);
+    EngineSetup setup;
+    setup.num_blocks = num_blocks;
+    AheadBackend* ahead = nullptr;
+    auto engine = MakeAheadEngine(GetParam(), setup, &ahead);
+    if (num_blocks == 1024) {
+      ExpectSame(RunTogether(*engine, work), alone);
+    } else {
+      ExpectSame(RunTogether(*engine, Workload()), free_run);
+    }
+    const EngineStats st = engine->Stats();
+    EXPECT_EQ(st.kv_blocks_used, 0);
+    EXPECT_EQ(st.finished, 32);
+    EXPECT_GT(ahead->ahead(), 0);
+    EXPECT_GT(ahead->fed(), 0);
+    if (num_blocks == 24) EXPECT_GT(st.preemptions, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, OverlapSchemeTest, ::testing::Values("skew", "t5", "alibi"));
+
+// A request cancelled while its step is in flight (and the next launched) ends cancelled with
+// nothing after the cancel, every block comes back, and the engine serves on.
+TEST(OverlapTest, CancelWhileInFlight) {
+  AheadBackend* ahead = nullptr;
+  auto engine = MakeAheadEngine("skew", EngineSetup{}, &ahead);
+  ahead->HoldCollect(4);
+  auto a = *engine->Submit(Prompt(20, 50));
+  ASSERT_TRUE(ahead->WaitWhileHeld(5));
+  a->Cancel();
+  ahead->Release();
+  Output o;
+  FinishReason reason = FinishReason::kNone;
+  while (a->Next(&o)) {
+    if (o.finished) reason = o.finish_reason;
+  }
+  EXPECT_EQ(reason, FinishReason::kCancelled);
+  const Request b = Prompt(7, 12);
+  const Result got = Drain(**engine->Submit(b));
+  auto sync = MakeEngine("skew", EngineSetup{});
+  EXPECT_EQ(got.tokens, Drain(**sync->Submit(b)).tokens);
+  for (int i = 0; i < 24000 && engine->Stats().num_running > 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
+  EXPECT_EQ(engine->Stats().finished, 2);
+}
+
+// Pause lands the step in flight: once it returns, nothing runs and every delivered token is there.
+TEST(OverlapTest, PauseLandsTheStepInFlight) {
+  AheadBackend* ahead = nullptr;
+  auto engine = MakeAheadEngine("skew", EngineSetup{}, &ahead);
+  ahead->HoldCollect(3);
+  auto a = *engine->Submit(Prompt(5, 40));
+  ASSERT_TRUE(ahead->WaitWhileHeld(4));
+  std::thread pauser([&] { engine->Pause(); });
+  ahead->Release();
+  pauser.join();
+  const int launches = ahead->launches();
+  Output o;
+  ASSERT_TRUE(a->Next(&o, absl::ZeroDuration()));
+  const int delivered = static_cast<int>(o.token_ids.size());
+  EXPECT_GE(delivered, 3);
+  EXPECT_EQ(engine->Stats().num_running, 1);
+  // Paused: no launch, no token.
+  EXPECT_EQ(ahead->launches(), launches);
+  EXPECT_FALSE(a->Next(&o, absl::ZeroDuration()));
+  engine->Resume();
+  const Result rest = Drain(*a);
+  EXPECT_EQ(delivered + static_cast<int>(rest.tokens.size()), 40);
 }
 
 // ---- submission checks

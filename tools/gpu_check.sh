@@ -15,7 +15,7 @@ pack() {
   local build=${1:-build} out=${2:-.gpu/relgen-gpu.tar.xz}
   local src
   src=$(cd "$(dirname "$0")/.." && pwd)
-  local bins=("$build/tests/cuda_backend_test" "$build/tools/relgen-bench")
+  local bins=("$build/tests/cuda_backend_test" "$build/tools/relgen-bench" "$build/server/relgen-server")
   for b in "${bins[@]}"; do
     [ -x "$b" ] || { echo "gpu_check: $b is missing (build with -DRELGEN_CUDA=ON)" >&2; exit 2; }
   done
@@ -50,8 +50,9 @@ pack() {
 }
 
 # stage NAME LIMIT_S COMMAND...: runs with a time limit, logs to OUT/NAME.log, records the status.
-# GPU_CHECK_STAGES picks among test, sanitize, bench, profile, shapes (default: all).
-want() { [[ ",${GPU_CHECK_STAGES:-test,sanitize,bench,profile,shapes}," == *",$1,"* ]]; }
+# GPU_CHECK_STAGES picks among test, sanitize, bench, profile, shapes, serve (default: all; serve runs
+# inside shapes, for the bloom shape).
+want() { [[ ",${GPU_CHECK_STAGES:-test,sanitize,bench,profile,shapes,serve}," == *",$1,"* ]]; }
 
 # Stages run in order of importance; one whose limit would pass GPU_CHECK_BUDGET (seconds since
 # the start, default 420) gets what is left, and none starts with under 20 s left.
@@ -187,6 +188,24 @@ run() {
         --batch_prefill 0 --json "$OUT/relgen_$shape.json"
       stage "hf_$shape" 200 "$py" "$src/tools/bench/hf_peer.py" bench --model "$dir" --batches "$batches" \
         --context 512 --steps 16 --reps 2 --json "$OUT/hf_$shape.json"
+      # The host's share of a step (issue 32): 64 clients served with and without overlapped steps,
+      # top_p 0.9, interleaved; the difference in tokens/s is the host time the overlap hides.
+      if [[ "$shape" == bloom* ]] && want serve; then
+        local rep mode log pid addr
+        for rep in 1 2; do
+          for mode in overlap_steps nooverlap_steps; do
+            log=$OUT/serve_${shape}_${mode}_$rep.server.log
+            "$root/bin/relgen-server" --model "$dir" --device cuda --weights_dtype bf16 --kv_cache_dtype bf16 \
+              --listen 127.0.0.1:0 --metrics_listen 127.0.0.1:0 --max_num_seqs 64 --"$mode" >"$log" 2>&1 &
+            pid=$!
+            for _ in $(seq 600); do grep -q "gRPC on" "$log" && break; kill -0 $pid 2>/dev/null || break; sleep 0.2; done
+            addr=$(grep -o "gRPC on [^ ;]*" "$log" | head -n 1 | cut -d' ' -f3)
+            [ -n "$addr" ] && stage "serve_${shape}_${mode}_$rep" 90 "$root/bin/relgen-bench" serve --server "$addr" \
+              --concurrency 64 --num_requests 192 --prompt_len 128 --output_len 128 --spread 0 --temperature 0.8 --top_p 0.9
+            kill $pid 2>/dev/null; wait $pid 2>/dev/null
+          done
+        done
+      fi
       rm -rf "$dir"
     done
   fi
@@ -201,6 +220,7 @@ run() {
     sed -n '/^model /p;/^tokens\/s/,/^$/p' "$f"
   done
   for f in "$OUT"/hf_*.log; do [ -f "$f" ] && { echo "---- $(basename "$f" .log)"; cat "$f"; }; done
+  for f in "$OUT"/serve_*[0-9].log; do [ -f "$f" ] && { echo "---- $(basename "$f" .log)"; grep -E '^c=' "$f"; }; done
   echo "---- summary"
   cat "$OUT/summary.txt"
   # Everything in one archive beside the summary (some harnesses fetch only a few files).

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include "absl/strings/string_view.h"
@@ -30,6 +31,10 @@ struct SequenceStep {
   absl::Span<const int32_t> encoder_tokens;
   int encoder_len = 0;
   absl::Span<const int32_t> cross_block_table;
+  // >= 0: the last token is the one the previous Launch drew for its query `fed_query`, and its
+  // value in `tokens` is a placeholder. The backend takes it where that answer is, so a step can be
+  // launched before the previous step's answers reach the host.
+  int fed_query = -1;
 };
 
 // Bytes a backend holds, by kind.
@@ -63,17 +68,36 @@ class Backend {
   // writes logits [rows, vocab_size] to `logits`, rows in step order (all tokens or last only).
   // A prompt, a chunk of a prompt and a single decode token are all steps.
   virtual absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) = 0;
-  // Forward, then answers `queries` from the logits rows (drawn tokens, given tokens'
-  // log-probabilities; sampler.h), results in query order. Only the answers leave the backend.
-  // This default answers on the calling thread; backends override it to answer where the logits are.
-  virtual absl::Status ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
-                                     std::vector<SampleResult>* results);
+  // Starts Forward over `steps` and answering `queries` from its rows (drawn tokens, given
+  // tokens' log-probabilities; sampler.h); Collect returns the answers, in query order. Only the
+  // answers leave the backend. Launch reads `steps` and `queries` only before it returns. A step may
+  // be launched before the previous one is collected (at most two outstanding; its fed tokens come
+  // from that one); Collect answers the oldest outstanding launch.
+  // The default runs everything in Launch, answering on the calling thread (or row_parallel()).
+  virtual absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries);
+  virtual absl::Status Collect(std::vector<SampleResult>* results);
+  // Whether Launch returns before its work is done (a device's stream). A synchronous backend's
+  // Launch does it all, so launching the next step before collecting gains nothing.
+  virtual bool asynchronous() const { return false; }
+  // Launch, then Collect.
+  absl::Status ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
+                             std::vector<SampleResult>* results);
   // Non-OK once the device can run nothing more (a GPU's asynchronous fault leaves its context
   // broken until the process ends): every later Forward would fail. Asked after a failed Forward.
   virtual absl::Status Broken() const { return absl::OkStatus(); }
 
  private:
-  std::vector<float> answer_logits_;  // ForwardSample's default
+ protected:
+  // How the default Launch spreads the answering over rows (null: in order on the calling thread).
+  virtual ParallelFor row_parallel() { return nullptr; }
+
+ private:
+  // The default Launch's state: the logits rows, the answers not yet collected (oldest first), the
+  // last launch's drawn tokens (what the next one's fed tokens are), and fed copies of the inputs.
+  std::vector<float> answer_logits_;
+  std::deque<std::vector<SampleResult>> outstanding_;
+  std::vector<int32_t> last_draws_;
+  std::deque<std::vector<int32_t>> fed_tokens_;  // stable: spans point into them
 };
 
 }  // namespace relgen

@@ -165,14 +165,10 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
+ protected:
   // Answers the rows on the worker threads, a range of queries each.
-  absl::Status ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
-                             std::vector<SampleResult>* results) override {
-    absl::Status st = Forward(steps, &logits_);
-    if (!st.ok()) return st;
-    AnswerQueries(logits_.data(), model_->config().vocab_size, queries, results,
-                  [this](int n, const std::function<void(int, int)>& fn) { pool_.ParallelFor(n, fn); });
-    return absl::OkStatus();
+  ParallelFor row_parallel() override {
+    return [this](int n, const std::function<void(int, int)>& fn) { pool_.ParallelFor(n, fn); };
   }
 
  private:
@@ -242,7 +238,6 @@ class CpuBackend final : public Backend {
   KvPool k_pool_, v_pool_;
   bool pool_ok_ = false;
   cpu::ThreadPool pool_;
-  std::vector<float> logits_;  // ForwardSample's rows
   std::vector<PackedLayer> packed_, encoder_packed_;
   cpu::PackedMatrix lm_head_;
   cpu::AttentionDims dims_;

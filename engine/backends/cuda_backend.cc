@@ -93,12 +93,16 @@ class CudaBackend final : public Backend {
     cudaFree(t5_encoder_table_);
     cudaFree(alibi_);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
+    for (cudaEvent_t e : answered_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
   absl::Status Init() {
     RELGEN_CUDA_RETURN(cudaSetDevice(device_));
     RELGEN_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : answered_) RELGEN_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     RELGEN_CUBLAS_RETURN(cublasCreate(&cublas_));
     RELGEN_CUBLAS_RETURN(cublasSetStream(cublas_, stream_));
     // Pedantic math: no TF32 in the float32 path, so results stay comparable with the CPU.
@@ -165,12 +169,15 @@ class CudaBackend final : public Backend {
           " MiB of buffers beside ", weight_bytes_ >> 20, " MiB of weights, and they do not fit (", st.message(),
           "); lower --max_batch_tokens or --max_num_seqs, or use a device with more memory"));
     }
-    if (absl::Status st = meta_up_.Reserve(meta_.bytes); !st.ok()) return st;
-    if (absl::Status st = sample_up_.Reserve(largest.queries * sizeof(cuda::DeviceQuery) + largest.history * 4);
-        !st.ok()) {
-      return st;
+    for (Slot& slot : slots_) {
+      if (absl::Status st = slot.meta_up.Reserve(meta_.bytes); !st.ok()) return st;
+      if (absl::Status st = slot.sample_up.Reserve(largest.queries * (sizeof(cuda::DeviceQuery) + 8) + largest.history * 4);
+          !st.ok()) {
+        return st;
+      }
+      if (absl::Status st = slot.answers.Reserve(largest.queries * sizeof(cuda::DeviceAnswer)); !st.ok()) return st;
+      if (absl::Status st = slot.answers_down.Reserve(largest.queries * sizeof(cuda::DeviceAnswer)); !st.ok()) return st;
     }
-    if (absl::Status st = sample_down_.Reserve(largest.queries * sizeof(cuda::DeviceAnswer)); !st.ok()) return st;
     const int64_t per_block = CudaKvBytesPerToken(c, options_.kv_type) * kv_.block_size;
     if (kv_.num_blocks == 0) {
       size_t free = 0, total = 0;
@@ -235,7 +242,8 @@ class CudaBackend final : public Backend {
     BackendMemory m;
     m.weights = weight_bytes_;
     m.kv_cache = kv_bytes_;
-    for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_, &sample_}) {
+    for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_, &sample_,
+                                  &slots_[0].answers, &slots_[1].answers}) {
       m.activations += static_cast<int64_t>(b->bytes);
     }
     return m;
@@ -255,26 +263,37 @@ class CudaBackend final : public Backend {
     return st;
   }
   // The rows answered on the device (kernels/cuda/sampler_kernels.h): only the answers come back,
-  // into page-locked memory.
-  absl::Status ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
-                             std::vector<SampleResult>* results) override {
+  // into page-locked memory. Launch enqueues the step and returns; each launch has its own slot of
+  // staging memory (two, alternating), so the next step goes up while this one runs.
+  absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
     if (!broken_.ok()) return broken_;
+    if (launched_ - collected_ >= 2) {
+      return absl::FailedPreconditionError("two launches are outstanding; collect one first");
+    }
     absl::Status st = RunSteps(steps, nullptr);
-    if (st.ok()) st = AnswerOnDevice(queries, results);
+    if (st.ok()) st = AnswerOnDevice(queries);
     if (!st.ok()) {
       cudaGetLastError();
       if (const cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
         broken_ = absl::InternalError(absl::StrCat(device(), ": ", cudaGetErrorString(e)));
       }
+      return st;
     }
-    return st;
+    ++launched_;
+    return absl::OkStatus();
   }
+  absl::Status Collect(std::vector<SampleResult>* results) override;
+  bool asynchronous() const override { return true; }
   absl::Status Broken() const override { return broken_; }
 
  private:
   // Enqueues the step; with `logits`, copies its rows' logits there and waits.
   absl::Status RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits);
-  absl::Status AnswerOnDevice(absl::Span<const RowQuery> queries, std::vector<SampleResult>* results);
+  // Enqueues the answers to `queries` from the kept rows, and their copy into the launch's slot.
+  absl::Status AnswerOnDevice(absl::Span<const RowQuery> queries);
+  // The slot of the launch being built, and of the one before it (its answers feed this one).
+  int slot() const { return static_cast<int>(launched_ & 1); }
+  const cuda::DeviceAnswer* FedFrom() const { return static_cast<const cuda::DeviceAnswer*>(slots_[slot() ^ 1].answers.ptr); }
   // A step's rows on the device (metadata uploaded) and the key counts its attention grids span.
   struct StepRows {
     int total = 0, kept = 0, max_keys = 1, max_input = 1;
@@ -306,6 +325,7 @@ class CudaBackend final : public Backend {
     int64_t tokens = 0, kept = 0, tables = 0, encoded = 0;
     int max_keys = 1;
     int64_t queries = 0, history = 0;  // rows answered on the device, their histories' tokens
+    int64_t fed = 0;                   // tokens fed from the previous launch's answers
   };
   StepShape LargestStep() const {
     const ModelConfig& c = model_->config();
@@ -315,6 +335,7 @@ class CudaBackend final : public Backend {
     // Every row's logits can be kept (prompt log-probabilities, Score): up to a row per token.
     s.kept = options_.max_step_tokens;
     s.tables = int64_t{options_.max_step_seqs} * per_seq;
+    s.fed = options_.max_step_seqs;
     s.max_keys = c.max_seq_len;
     // A query per kept row at most; a draw per sequence, each with its whole context as history.
     s.queries = s.kept;
@@ -333,7 +354,7 @@ class CudaBackend final : public Backend {
     const ModelConfig& c = model_->config();
     const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
     // Meta: 3 ints per decoder row, 2 more for its cross-attention, 6 per encoded row (RunSteps).
-    const int64_t meta = (c.encoder_decoder ? 5 : 3) * s.tokens + s.tables + s.kept + 6 * s.encoded;
+    const int64_t meta = (c.encoder_decoder ? 5 : 3) * s.tokens + s.tables + s.kept + 6 * s.encoded + 2 * s.fed;
     return {{&meta_, meta}, {&sample_, SampleBytes(s.queries, s.history) / 4},
             {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&qkv_, 3 * s.tokens * w},
             {&att_, s.tokens * w}, {&up_, s.tokens * f},
@@ -341,9 +362,10 @@ class CudaBackend final : public Backend {
             {&work_, cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim, s.max_keys,
                                               options_.attention_split_keys)}};
   }
-  // The device's sampling area: queries | histories | answers | the histories' raw logits.
+  // The device's sampling area: queries | histories | fed history tokens (pairs) | the histories'
+  // raw logits. The answers live in the launch's slot.
   static int64_t SampleBytes(int64_t queries, int64_t history) {
-    return queries * static_cast<int64_t>(sizeof(cuda::DeviceQuery) + sizeof(cuda::DeviceAnswer)) + history * 8;
+    return queries * static_cast<int64_t>(sizeof(cuda::DeviceQuery) + 8) + history * 8;
   }
   int64_t StepBytes(const StepShape& s) {
     int64_t bytes = 0;
@@ -562,16 +584,26 @@ class CudaBackend final : public Backend {
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
   absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_, sample_;
-  PinnedBuffer meta_up_;                  // a step's metadata going up
-  PinnedBuffer sample_up_, sample_down_;  // queries and histories going up, answers coming back
+  // What a launch needs until it is collected: its metadata and queries going up (page-locked),
+  // its answers on the device (the next launch's fed tokens read them) and coming back.
+  struct Slot {
+    PinnedBuffer meta_up, sample_up, answers_down;
+    DeviceBuffer answers;
+    int n = 0;  // queries answered
+  };
+  Slot slots_[2];
+  cudaEvent_t answered_[2] = {nullptr, nullptr};  // a slot's answers are on the host
+  int64_t launched_ = 0, collected_ = 0;
   std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
   int kept_ = 0;  // logits rows of the last step
 };
 
-absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries, std::vector<SampleResult>* results) {
+absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
   const int vocab = model_->config().vocab_size;
   const int n = static_cast<int>(queries.size());
+  const int fed_limit = launched_ > 0 ? slots_[slot() ^ 1].n : 0;
   int64_t history = 0;
+  int fed = 0;
   for (const RowQuery& r : queries) {
     if (r.row < 0 || r.row >= kept_) {
       return absl::InvalidArgumentError(absl::StrCat("query of row ", r.row, "; the step kept ", kept_, " rows"));
@@ -582,19 +614,29 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries, std
                                                      " alternatives; allowed ids 0..", vocab - 1, ", up to ",
                                                      cuda::kMaxAnswerTop, " alternatives"));
     }
-    if (r.params != nullptr && r.params->repetition_penalty != 1.0f) history += static_cast<int64_t>(r.history.size());
+    if (r.fed_query >= fed_limit || (r.fed_query >= 0 && (r.params == nullptr || r.history.empty()))) {
+      return absl::InvalidArgumentError(absl::StrCat("a history token fed from query ", r.fed_query,
+                                                     " of the previous launch, which answered ", fed_limit));
+    }
+    if (r.params != nullptr && r.params->repetition_penalty != 1.0f) {
+      history += static_cast<int64_t>(r.history.size());
+      fed += r.fed_query >= 0 ? 1 : 0;
+    }
   }
   StepShape shape;
   shape.queries = n;
   shape.history = history;
   if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
+  Slot& slot = slots_[this->slot()];
   const size_t q_bytes = n * sizeof(cuda::DeviceQuery), a_bytes = n * sizeof(cuda::DeviceAnswer);
-  const size_t up_bytes = q_bytes + history * sizeof(int32_t);
-  if (absl::Status st = sample_up_.Reserve(up_bytes); !st.ok()) return st;
-  if (absl::Status st = sample_down_.Reserve(a_bytes); !st.ok()) return st;
-  auto* q = static_cast<cuda::DeviceQuery*>(sample_up_.ptr);
-  auto* h = reinterpret_cast<int32_t*>(static_cast<char*>(sample_up_.ptr) + q_bytes);
-  int32_t offset = 0;
+  const size_t h_bytes = history * sizeof(int32_t), up_bytes = q_bytes + h_bytes + 2 * fed * sizeof(int32_t);
+  if (absl::Status st = slot.sample_up.Reserve(up_bytes); !st.ok()) return st;
+  if (absl::Status st = slot.answers.Reserve(a_bytes); !st.ok()) return st;
+  if (absl::Status st = slot.answers_down.Reserve(a_bytes); !st.ok()) return st;
+  auto* q = static_cast<cuda::DeviceQuery*>(slot.sample_up.ptr);
+  auto* h = reinterpret_cast<int32_t*>(static_cast<char*>(slot.sample_up.ptr) + q_bytes);
+  int32_t* feeds = h + history;  // (history index, query) pairs
+  int32_t offset = 0, f = 0;
   for (int i = 0; i < n; ++i) {
     const RowQuery& r = queries[i];
     cuda::DeviceQuery d;
@@ -617,6 +659,11 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries, std
         d.history_len = static_cast<int32_t>(r.history.size());
         std::copy(r.history.begin(), r.history.end(), h + offset);
         offset += d.history_len;
+        if (r.fed_query >= 0) {
+          feeds[2 * f] = offset - 1;
+          feeds[2 * f + 1] = r.fed_query;
+          ++f;
+        }
       }
     }
     q[i] = d;
@@ -624,19 +671,36 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries, std
   char* dev = static_cast<char*>(sample_.ptr);
   auto* d_queries = reinterpret_cast<cuda::DeviceQuery*>(dev);
   auto* d_history = reinterpret_cast<int32_t*>(dev + q_bytes);
-  auto* d_answers = reinterpret_cast<cuda::DeviceAnswer*>(dev + up_bytes);
-  auto* d_raw = reinterpret_cast<float*>(dev + up_bytes + a_bytes);
-  RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, sample_up_.ptr, up_bytes, cudaMemcpyHostToDevice, stream_));
+  auto* d_feeds = reinterpret_cast<const int32_t*>(dev + q_bytes + h_bytes);
+  auto* d_raw = reinterpret_cast<float*>(dev + up_bytes);
+  auto* d_answers = static_cast<cuda::DeviceAnswer*>(slot.answers.ptr);
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev, slot.sample_up.ptr, up_bytes, cudaMemcpyHostToDevice, stream_));
+  RELGEN_CUDA_RETURN(cuda::FeedTokens(FedFrom(), d_feeds, fed, d_history, stream_));
   RELGEN_CUDA_RETURN(cuda::AnswerRows(logits_d_.f(), vocab, d_queries, n, d_history, d_raw, nullptr, d_answers, stream_));
-  RELGEN_CUDA_RETURN(cudaMemcpyAsync(sample_down_.ptr, d_answers, a_bytes, cudaMemcpyDeviceToHost, stream_));
-  RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
-  const auto* a = static_cast<const cuda::DeviceAnswer*>(sample_down_.ptr);
-  results->assign(n, SampleResult());
-  for (int i = 0; i < n; ++i) {
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(slot.answers_down.ptr, d_answers, a_bytes, cudaMemcpyDeviceToHost, stream_));
+  RELGEN_CUDA_RETURN(cudaEventRecord(answered_[this->slot()], stream_));
+  slot.n = n;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Collect(std::vector<SampleResult>* results) {
+  if (collected_ == launched_) return absl::FailedPreconditionError("nothing launched to collect");
+  const int k = static_cast<int>(collected_ & 1);
+  ++collected_;
+  if (!broken_.ok()) return broken_;
+  if (const cudaError_t e = cudaEventSynchronize(answered_[k]); e != cudaSuccess) {
+    cudaGetLastError();
+    broken_ = absl::InternalError(absl::StrCat(device(), ": ", cudaGetErrorString(e)));
+    return broken_;
+  }
+  const Slot& slot = slots_[k];
+  const auto* a = static_cast<const cuda::DeviceAnswer*>(slot.answers_down.ptr);
+  results->assign(slot.n, SampleResult());
+  for (int i = 0; i < slot.n; ++i) {
     SampleResult& r = (*results)[i];
     r.token = a[i].token;
     r.logprob = a[i].logprob;
-    for (int k = 0; k < a[i].num_top; ++k) r.top.push_back({a[i].top_token[k], a[i].top_logprob[k]});
+    for (int j = 0; j < a[i].num_top; ++j) r.top.push_back({a[i].top_token[j], a[i].top_logprob[j]});
   }
   return absl::OkStatus();
 }
@@ -710,8 +774,18 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   // block table of the encoder's one-token blocks (Encode).
   std::vector<int32_t> cross_position, cross_offset, enc_ids, enc_position, enc_first, enc_len, enc_cross, identity;
   int max_keys = 1, max_input = 1, max_encoded = 1;
+  std::vector<int32_t> feeds;  // (index into tokens, query of the previous launch) pairs
+  const int fed_limit = launched_ > 0 ? slots_[slot() ^ 1].n : 0;
   for (const SequenceStep& s : steps) {
     const int n = static_cast<int>(s.tokens.size());
+    if (s.fed_query >= fed_limit) {
+      return absl::InvalidArgumentError(absl::StrCat("a token fed from query ", s.fed_query,
+                                                      " of the previous launch, which answered ", fed_limit));
+    }
+    if (s.fed_query >= 0) {
+      feeds.push_back(static_cast<int32_t>(tokens.size()) + n - 1);
+      feeds.push_back(s.fed_query);
+    }
     const int offset = static_cast<int>(tables.size());
     tables.insert(tables.end(), s.block_table.begin(), s.block_table.end());
     const int cross = static_cast<int>(tables.size());
@@ -751,7 +825,7 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   // counts alone, which a captured decode graph relies on.
   std::vector<int32_t> meta;
   for (const auto* v : {&tokens, &position, &table_offset, &keep, &cross_position, &cross_offset, &enc_ids,
-                        &enc_position, &enc_first, &enc_len, &enc_cross, &identity, &tables}) {
+                        &enc_position, &enc_first, &enc_len, &enc_cross, &identity, &tables, &feeds}) {
     meta.insert(meta.end(), v->begin(), v->end());
   }
   StepShape shape;
@@ -759,13 +833,18 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   shape.kept = kept;
   shape.tables = static_cast<int64_t>(tables.size());
   shape.encoded = encoded;
+  shape.fed = static_cast<int64_t>(feeds.size() / 2);
   shape.max_keys = std::max({max_keys, max_input, max_encoded});
   if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
-  // Up from page-locked memory: an asynchronous copy at the link's speed. The previous step's
-  // copy has finished (every step ends in a synchronize), so the staging area is free.
-  if (absl::Status st = meta_up_.Reserve(meta.size() * sizeof(int32_t)); !st.ok()) return st;
-  std::copy(meta.begin(), meta.end(), static_cast<int32_t*>(meta_up_.ptr));
-  RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, meta_up_.ptr, meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  // Up from page-locked memory: an asynchronous copy at the link's speed. The staging area is the
+  // launch's slot, whose last user has been collected.
+  PinnedBuffer& up = slots_[slot()].meta_up;
+  if (absl::Status st = up.Reserve(meta.size() * sizeof(int32_t)); !st.ok()) return st;
+  std::copy(meta.begin(), meta.end(), static_cast<int32_t*>(up.ptr));
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(meta_.ptr, up.ptr, meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  // The fed tokens, from the previous launch's answers where they are.
+  RELGEN_CUDA_RETURN(cuda::FeedTokens(FedFrom(), meta_.i() + meta.size() - feeds.size(), static_cast<int>(feeds.size() / 2),
+                                      meta_.i(), stream_));
   StepRows step;
   step.total = total;
   step.kept = kept;

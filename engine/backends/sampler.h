@@ -74,6 +74,9 @@ struct RowQuery {
   int index = 0;                      // draws: the generated token's index
   int32_t token = 0;                  // scores: the token
   int top_n = 0;                      // scores: alternatives reported
+  // Draws: >= 0 when the history's last token is the one the previous launch drew for its query
+  // `fed_query` (backend.h, SequenceStep::fed_query); its value in `history` is a placeholder.
+  int fed_query = -1;
 };
 
 // Answers `queries` from `logits` (rows of `vocab`), results in query order. `parallel_for(n, fn)`

@@ -106,7 +106,12 @@ struct Engine::Seq {
   int num_computed = 0;         // tokens whose K/V are in `blocks`
   std::vector<int32_t> blocks;
   std::vector<int32_t> cross_blocks;  // encoder-decoder: the input's cross-attention K/V, once encoded
-  int generated = 0;
+  int generated = 0;             // tokens delivered
+  int drawn = 0;                 // draws launched: generated, and the one of a step in flight
+  // tokens[pending_pos] is a placeholder for the draw of the latest launched step, not yet landed
+  // (its query there: pending_query); -1 when none.
+  int pending_pos = -1, pending_query = -1;
+  int in_flight = 0;  // launched steps holding the sequence, not yet landed: it outlives them
   std::unique_ptr<StreamDecoder> detok;
   std::string held;  // decoded text held back while it may begin a stop string
   bool done = false;
@@ -134,6 +139,31 @@ struct Engine::Seq {
     if (req.prompt_logprobs >= 0 && !prompt_lps_delivered) return 0;
     return static_cast<int>(tokens.size()) - 1;
   }
+  // Something to compute in the next step: not finished, tokens not yet in the cache, and not
+  // waiting only for a draw that ends it (max_new_tokens).
+  bool Runnable() const {
+    return !done && num_computed < static_cast<int>(tokens.size()) &&
+           (score_from >= 0 || drawn < req.stop.max_new_tokens);
+  }
+};
+
+// One step, from the plan to what the backend answered.
+struct Engine::StepBatch {
+  // Where an answer goes: a prompt token's log-probabilities, a continuation token's score, or
+  // the sequence's next token.
+  enum class Use { kPromptLogprob, kScore, kDraw };
+  Schedule plan;
+  std::vector<Seq*> seqs;  // the plan's chunks, in order
+  std::vector<SequenceStep> steps;
+  std::vector<RowQuery> queries;
+  std::vector<Use> uses;           // per query
+  std::vector<int> first_query;    // per sequence, then one past the last
+  std::vector<int> lengths;        // per sequence: its tokens when the step was built
+  std::vector<int> ends;           // per sequence: tokens in the cache once the step has run
+  std::vector<int> placeholders;   // per sequence: the position its draw fills, or -1 (Launch)
+  std::vector<SampleResult> answers;
+  int step_tokens = 0, prefill_tokens = 0, encoder_tokens = 0;
+  int64_t queried = 0, hit_tokens = 0;  // prefix cache, admissions of this step
 };
 
 Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend,
@@ -366,13 +396,13 @@ void Engine::TakeInbox() {
 void Engine::RunOnce() {
   if (config_.background_thread) std::abort();  // the engine thread owns the loop
   TakeInbox();
-  Step();
+  Step(true);
 }
 
 void Engine::Pause() {
   std::unique_lock<std::mutex> lock(mu_);
   paused_ = true;
-  cv_.wait(lock, [this] { return !in_step_; });
+  cv_.wait(lock, [this] { return !in_step_ && !has_in_flight_; });
 }
 
 void Engine::Resume() {
@@ -383,21 +413,30 @@ void Engine::Resume() {
 
 void Engine::Loop() {
   while (true) {
+    bool plan;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      // A step in flight lands even while paused.
       cv_.wait(lock, [this] {
-        return stop_ || (!paused_ && (!inbox_.empty() || !running_.empty() || !waiting_.empty()));
+        return stop_ || in_flight_ != nullptr ||
+               (!paused_ && (!inbox_.empty() || !running_.empty() || !waiting_.empty()));
       });
       if (stop_) break;
       in_step_ = true;
+      plan = !paused_;
     }
-    TakeInbox();
-    Step();
+    if (plan) TakeInbox();
+    Step(plan);
     std::unique_lock<std::mutex> lock(mu_);
     in_step_ = false;
+    has_in_flight_ = in_flight_ != nullptr;
     cv_.notify_all();
   }
-  // Shut down: nothing outstanding survives.
+  // Shut down: what is in flight lands, then nothing outstanding survives.
+  if (in_flight_ != nullptr) {
+    std::unique_ptr<StepBatch> b = std::move(in_flight_);
+    Land(*b);
+  }
   FinishAll(FinishReason::kCancelled, absl::UnavailableError("the engine shut down"));
 }
 
@@ -468,8 +507,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
 }
 
 void Engine::EmitToken(Seq& s, const SampleResult& r) {
-  s.tokens.push_back(r.token);
-  ++s.generated;
+  ++s.generated;  // the token is in s.tokens already (Land)
   const absl::Time now = absl::Now();
   if (s.generated == 1) s.first_token = now;
   if (config_.observer) {
@@ -549,13 +587,13 @@ void Engine::LookupPrefix(Seq& s) {
   }
 }
 
-void Engine::RegisterBlocks(Seq& s) {
+void Engine::RegisterBlocks(Seq& s, int computed) {
   if (!config_.prefix_caching) return;
   const int bs = config_.scheduler.block_size;
   const absl::Span<const int32_t> root =
       model_->config().encoder_decoder ? absl::MakeConstSpan(s.req.prompt) : absl::Span<const int32_t>();
   const absl::Span<const int32_t> tokens(s.tokens);
-  for (int b = static_cast<int>(s.chain.size()); b < s.num_computed / bs; ++b) {
+  for (int b = static_cast<int>(s.chain.size()); b < computed / bs; ++b) {
     const PrefixCursor at = b == 0 ? BlockAllocator::Root(root) : s.chain.back();
     s.chain.push_back(allocator_.Register(at, s.blocks[b], tokens.subspan(b * bs, bs), root));
   }
@@ -567,22 +605,6 @@ int Engine::SharedBlocks(const Seq& s) const {
   for (int32_t b : s.cross_blocks) shared += allocator_.ref_count(b) > 1 ? 1 : 0;
   return shared;
 }
-
-// One step, from the plan to what the backend answered.
-struct Engine::StepBatch {
-  // Where an answer goes: a prompt token's log-probabilities, a continuation token's score, or
-  // the sequence's next token.
-  enum class Use { kPromptLogprob, kScore, kDraw };
-  Schedule plan;
-  std::vector<Seq*> seqs;  // the plan's chunks, in order
-  std::vector<SequenceStep> steps;
-  std::vector<RowQuery> queries;
-  std::vector<Use> uses;           // per query
-  std::vector<int> first_query;    // per sequence, then one past the last
-  std::vector<SampleResult> answers;
-  int step_tokens = 0, prefill_tokens = 0, encoder_tokens = 0;
-  int64_t queried = 0, hit_tokens = 0;  // prefix cache, admissions of this step
-};
 
 void Engine::Reap(absl::Time now) {
   // Followers orphaned by a finished leader queue first; they recompute what they would have shared.
@@ -598,7 +620,8 @@ void Engine::Reap(absl::Time now) {
       const FinishReason why = s.handle->cancel_reason();
       Finish(s, why, why == FinishReason::kDeadline ? absl::DeadlineExceededError("deadline passed") : absl::OkStatus());
     }
-    return s.done;
+    // A sequence of the step in flight stays until it lands (its row there is then ignored).
+    return s.done && s.in_flight == 0;
   };
   running_.erase(std::remove_if(running_.begin(), running_.end(), [&](auto& s) { return reap(*s); }),
                  running_.end());
@@ -610,7 +633,7 @@ void Engine::Reap(absl::Time now) {
   orphans_.clear();
 }
 
-void Engine::Plan(absl::Time now, StepBatch* b) {
+bool Engine::Plan(absl::Time now, StepBatch* b) {
   const bool enc_dec = model_->config().encoder_decoder;
   const int bs = config_.scheduler.block_size;
   auto sched = [&](const Seq& s) {
@@ -620,10 +643,14 @@ void Engine::Plan(absl::Time now, StepBatch* b) {
     return q;
   };
   std::vector<SchedSeq> run, wait;
-  for (const auto& s : running_) run.push_back(sched(*s));
+  // With a step in flight, the sequences that end when it lands (finished, scored, at
+  // max_new_tokens) have nothing to run; with none in flight, every running sequence is runnable.
+  for (const auto& s : running_) {
+    if (s->Runnable()) run.push_back(sched(*s));
+  }
   // Only the queue's head can be admitted this step (at most max_num_seqs - running of it): only
   // those look their prompt up in the prefix cache.
-  const size_t window = std::max<int>(0, config_.scheduler.max_num_seqs - static_cast<int>(running_.size()));
+  const size_t window = std::max<int>(0, config_.scheduler.max_num_seqs - static_cast<int>(run.size()));
   for (size_t i = 0; i < waiting_.size() && i < window; ++i) {
     Seq& s = *waiting_[i];
     LookupPrefix(s);
@@ -637,6 +664,9 @@ void Engine::Plan(absl::Time now, StepBatch* b) {
   }
   b->plan = ComputeSchedule(run, wait, allocator_.num_free(), config_.scheduler);
   const relgen::Schedule& plan = b->plan;
+  // Preemption frees blocks and rewinds sequences: never under a step in flight.
+  if (!plan.preempted.empty() && in_flight_ != nullptr) return false;
+  if (run.size() != running_.size() && !plan.preempted.empty()) std::abort();  // as said above
 
   // Preempted sequences (newest first) go back to the front of the queue, oldest first, and will
   // recompute their prompt and output so far (from the prefix cache where it still holds them).
@@ -686,6 +716,7 @@ void Engine::Plan(absl::Time now, StepBatch* b) {
     if (!allocator_.Allocate(c.new_blocks, &b->seqs[i]->blocks)) std::abort();  // planned
     if (!allocator_.Allocate(c.encoder_blocks, &b->seqs[i]->cross_blocks)) std::abort();
   }
+  return true;
 }
 
 void Engine::BuildInputs(StepBatch* b) {
@@ -698,6 +729,11 @@ void Engine::BuildInputs(StepBatch* b) {
     st.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, n);
     st.start_pos = s.num_computed;
     st.block_table = s.blocks;
+    if (s.pending_pos >= 0) {
+      // The last token is the draw of the step in flight (the only placeholder, always last).
+      if (s.pending_pos != s.num_computed + n - 1) std::abort();
+      st.fed_query = s.pending_query;
+    }
     // Rows before the chunk's last are needed for prompt log-probabilities and scores.
     st.all_logits = s.LogitsFrom() < s.num_computed + n - 1;
     if (enc_dec) {
@@ -710,7 +746,9 @@ void Engine::BuildInputs(StepBatch* b) {
     }
     b->steps.push_back(st);
     b->step_tokens += n;
-    if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.generated == 0) b->prefill_tokens += n;
+    if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.drawn == 0) b->prefill_tokens += n;
+    b->lengths.push_back(static_cast<int>(s.tokens.size()));
+    b->ends.push_back(s.num_computed + n);
 
     // What the sequence wants of its rows: row k predicts token first + k + 1.
     b->first_query.push_back(static_cast<int>(b->queries.size()));
@@ -744,7 +782,8 @@ void Engine::BuildInputs(StepBatch* b) {
       q.row = rows + count - 1;
       q.params = &s.req.sampling;
       q.history = s.tokens;
-      q.index = s.generated;
+      q.index = s.drawn;
+      if (s.pending_pos >= 0) q.fed_query = s.pending_query;
       b->queries.push_back(q);
       b->uses.push_back(StepBatch::Use::kDraw);
     }
@@ -753,21 +792,58 @@ void Engine::BuildInputs(StepBatch* b) {
   b->first_query.push_back(static_cast<int>(b->queries.size()));
 }
 
-absl::Status Engine::Run(StepBatch* b) {
-  absl::Status st = backend_->ForwardSample(b->steps, b->queries, &b->answers);
-  if (st.ok() && b->answers.size() != b->queries.size()) {
-    st = absl::InternalError(absl::StrCat("the backend answered ", b->answers.size(), " of ", b->queries.size(), " rows"));
-  }
-  if (st.ok()) return st;
+absl::Status Engine::Failed(const absl::Status& st) {
   const absl::Status broken = backend_->Broken();
   std::fprintf(stderr, "relgen: forward failed: %s%s\n", std::string(st.message()).c_str(),
                broken.ok() ? "" : " (the device is broken)");
   if (broken.ok()) return st;
   // Failed before anyone hears of it: a client that sees its request fail finds Failure() set.
-  st = absl::UnavailableError(absl::StrCat("the device failed (", broken.message(), "); the server must restart"));
+  absl::Status failure =
+      absl::UnavailableError(absl::StrCat("the device failed (", broken.message(), "); the server must restart"));
   std::unique_lock<std::mutex> lock(mu_);
-  failure_ = st;
-  return st;
+  failure_ = failure;
+  return failure;
+}
+
+absl::Status Engine::Launch(StepBatch* b) {
+  if (absl::Status st = backend_->Launch(b->steps, b->queries); !st.ok()) return Failed(st);
+  // The step's K/V count as computed from here, and its draws hold placeholders until it lands.
+  b->placeholders.assign(b->seqs.size(), -1);
+  for (size_t i = 0; i < b->seqs.size(); ++i) {
+    Seq& s = *b->seqs[i];
+    s.num_computed = b->ends[i];
+    ++s.in_flight;
+    for (int q = b->first_query[i]; q < b->first_query[i + 1]; ++q) {
+      if (b->uses[q] != StepBatch::Use::kDraw) continue;
+      s.tokens.push_back(0);
+      s.pending_pos = b->placeholders[i] = static_cast<int>(s.tokens.size()) - 1;
+      s.pending_query = q;
+      ++s.drawn;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Engine::Land(StepBatch& b) {
+  absl::Status st = backend_->Collect(&b.answers);
+  if (st.ok() && b.answers.size() != b.queries.size()) {
+    st = absl::InternalError(absl::StrCat("the backend answered ", b.answers.size(), " of ", b.queries.size(), " rows"));
+  }
+  if (!st.ok()) st = Failed(st);
+  for (size_t i = 0; i < b.seqs.size(); ++i) {
+    Seq& s = *b.seqs[i];
+    --s.in_flight;
+    const int at = b.placeholders[i];
+    if (at < 0) continue;
+    for (int q = b.first_query[i]; st.ok() && q < b.first_query[i + 1]; ++q) {
+      if (b.uses[q] == StepBatch::Use::kDraw) s.tokens[at] = b.answers[q].token;
+    }
+    if (s.pending_pos == at) s.pending_pos = s.pending_query = -1;  // no later step launched it
+  }
+  Commit(b, st);
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done && s->in_flight == 0; }),
+                 running_.end());
+  Account(&b);
 }
 
 void Engine::Commit(StepBatch& b, const absl::Status& st) {
@@ -775,6 +851,7 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
   std::vector<std::unique_ptr<Seq>> started;  // followers starting this step
   for (size_t i = 0; i < b.seqs.size(); ++i) {
     Seq& s = *b.seqs[i];
+    if (s.done) continue;  // finished while the step was in flight: its rows are moot
     if (!st.ok()) {
       Finish(s, FinishReason::kError, st);
       continue;
@@ -787,9 +864,9 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
         case StepBatch::Use::kDraw: draw = &b.answers[q]; break;
       }
     }
-    s.num_computed += b.plan.chunks[i].num_tokens;
-    RegisterBlocks(s);
-    if (!s.followers.empty() && s.num_computed >= s.fork_tokens) {
+    const int end = b.ends[i];
+    RegisterBlocks(s, end);
+    if (!s.followers.empty() && end >= s.fork_tokens) {
       // The group's other members start now, holding the leader's blocks before fork_tokens.
       const int shared = s.fork_tokens / bs;
       for (auto& f : s.followers) {
@@ -801,7 +878,7 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
       }
       s.followers.clear();
     }
-    if (s.num_computed < static_cast<int>(s.tokens.size())) continue;  // prompt not done yet
+    if (end < b.lengths[i]) continue;  // prompt not done yet
     if (s.score_from >= 0) {
       Finish(s, FinishReason::kLength);
       continue;
@@ -812,36 +889,67 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
   for (auto it = started.rbegin(); it != started.rend(); ++it) waiting_.push_front(std::move(*it));
 }
 
-void Engine::Step() {
+void Engine::Step(bool plan) {
   const absl::Time now = absl::Now();
-  Reap(now);
-  StepBatch b;
-  Plan(now, &b);
-  BuildInputs(&b);
-  absl::Status st;
-  if (!b.steps.empty()) {
-    st = Run(&b);
-    Commit(b, st);
+  auto next = std::make_unique<StepBatch>();
+  if (plan) {
+    Reap(now);
+    if (!Plan(now, next.get())) {
+      // It would preempt: the step in flight lands first, then the plan is made again.
+      std::unique_ptr<StepBatch> b = std::move(in_flight_);
+      Land(*b);
+      Reap(now);
+      next = std::make_unique<StepBatch>();
+      if (!Plan(now, next.get())) std::abort();  // nothing is in flight now
+    }
+    BuildInputs(next.get());
+    AccountPlan(*next);
   }
-  if (!st.ok() && !backend_->Broken().ok()) {
+  absl::Status st;
+  const bool launching = !next->steps.empty();
+  if (launching) st = Launch(next.get());
+  // The step in flight lands while the one just launched runs.
+  if (in_flight_ != nullptr && backend_->Broken().ok()) {
+    std::unique_ptr<StepBatch> b = std::move(in_flight_);
+    Land(*b);
+  }
+  if (launching && !st.ok()) {
+    Commit(*next, st);
+  } else if (launching && config_.overlap_steps && config_.background_thread && backend_->asynchronous()) {
+    in_flight_ = std::move(next);
+  } else if (launching) {
+    Land(*next);
+  }
+  if (!backend_->Broken().ok()) {
     // Nothing can run any more: everything outstanding fails now, and Submit refuses from here on.
+    in_flight_.reset();
     absl::Status failure;
     {
       std::unique_lock<std::mutex> lock(mu_);
       failure = failure_;
     }
+    if (failure.ok()) failure = absl::UnavailableError(absl::StrCat("the device failed (", backend_->Broken().message(), ")"));
     FinishAll(FinishReason::kError, failure);
   }
-  running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done; }),
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done && s->in_flight == 0; }),
                  running_.end());
-  Account(b);
+  Account(nullptr);
 }
 
-void Engine::Account(const StepBatch& b) {
-  if (config_.observer) {
-    if (!b.steps.empty()) config_.observer->OnStep(static_cast<int>(b.steps.size()), b.step_tokens);
-    if (b.encoder_tokens > 0) config_.observer->OnEncoded(b.encoder_tokens);
-    if (!b.plan.preempted.empty()) config_.observer->OnPreemptions(static_cast<int>(b.plan.preempted.size()));
+void Engine::AccountPlan(const StepBatch& planned) {
+  if (config_.observer && !planned.plan.preempted.empty()) {
+    config_.observer->OnPreemptions(static_cast<int>(planned.plan.preempted.size()));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  stats_.prefix_cache_queries += planned.queried;
+  stats_.prefix_cache_hits += planned.hit_tokens;
+  stats_.preemptions += static_cast<int64_t>(planned.plan.preempted.size());
+}
+
+void Engine::Account(const StepBatch* landed) {
+  if (config_.observer && landed != nullptr) {
+    if (!landed->steps.empty()) config_.observer->OnStep(static_cast<int>(landed->steps.size()), landed->step_tokens);
+    if (landed->encoder_tokens > 0) config_.observer->OnEncoded(landed->encoder_tokens);
   }
   if (config_.check_invariants) {
     allocator_.CheckConsistency();
@@ -864,21 +972,22 @@ void Engine::Account(const StepBatch& b) {
   std::unique_lock<std::mutex> lock(mu_);
   for (const auto& s : inbox_) parked += static_cast<int>(s->followers.size());
   queued_ = static_cast<int>(inbox_.size() + waiting_.size()) + parked;
-  stats_.num_running = static_cast<int>(running_.size());
+  int running = 0;
+  for (const auto& s : running_) running += s->done ? 0 : 1;
+  stats_.num_running = running;
   stats_.num_waiting = queued_;
   stats_.kv_blocks_used = allocator_.num_used();
   stats_.kv_blocks_cached = allocator_.num_cached();
-  stats_.prefix_cache_queries += b.queried;
-  stats_.prefix_cache_hits += b.hit_tokens;
   stats_.kv_blocks_evicted = allocator_.num_evicted();
-  if (!b.steps.empty()) {
-    ++stats_.steps;
-    stats_.last_step_seqs = static_cast<int>(b.steps.size());
-    stats_.last_step_tokens = b.step_tokens;
+  if (landed != nullptr) {
+    if (!landed->steps.empty()) {
+      ++stats_.steps;
+      stats_.last_step_seqs = static_cast<int>(landed->steps.size());
+      stats_.last_step_tokens = landed->step_tokens;
+    }
+    stats_.prompt_tokens += landed->prefill_tokens;
+    stats_.encoder_tokens += landed->encoder_tokens;
   }
-  stats_.prompt_tokens += b.prefill_tokens;
-  stats_.encoder_tokens += b.encoder_tokens;
-  stats_.preemptions += static_cast<int64_t>(b.plan.preempted.size());
   stats_.memory = backend_->memory();
 }
 

@@ -156,6 +156,10 @@ struct EngineConfig {
   bool check_invariants = false;
   // false: no engine thread; the owner drives the loop with RunOnce() (deterministic tests, tools).
   bool background_thread = true;
+  // With an asynchronous backend (a GPU) and the engine thread: step N+1 is planned, built and
+  // launched while step N runs, and step N's tokens are delivered while N+1 runs. Outputs are the
+  // same either way.
+  bool overlap_steps = true;
   std::shared_ptr<EngineObserver> observer;  // optional
 };
 
@@ -222,25 +226,34 @@ class Engine {
          std::shared_ptr<const Tokenizer> tokenizer, EngineConfig config);
   void Loop();
   void TakeInbox();
-  void Step();
+  // One iteration: with `plan`, reap, schedule, build and launch the next step; land the step in
+  // flight, if any (with overlap, the one launched by the previous iteration).
+  void Step(bool plan);
   void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus());
   void EmitToken(Seq& s, const SampleResult& r);
   // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
   // blocks a sequence has computed.
   void LookupPrefix(Seq& s);
-  void RegisterBlocks(Seq& s);
+  void RegisterBlocks(Seq& s, int computed);  // blocks wholly below `computed`
   // Blocks of `s` (decoder and input K/V) that another sequence also references.
   int SharedBlocks(const Seq& s) const;
   // A step's phases, in order: reap cancelled and expired requests; schedule (prefix lookups,
   // preemption, admission, blocks); the backend's input and the rows' queries; forward and
   // sampling on the backend; the answers to tokens and outputs; stats.
+  // While a step is in flight, the next is planned as if it had succeeded: a sequence drawing in
+  // it holds a placeholder token there (fed to the backend from that step's answer), and its
+  // K/V count as computed. Landing the step puts the drawn tokens in place and delivers them.
   struct StepBatch;
   void Reap(absl::Time now);
-  void Plan(absl::Time now, StepBatch* b);
+  // false, with nothing changed, when the plan would preempt while a step is in flight.
+  bool Plan(absl::Time now, StepBatch* b);
   void BuildInputs(StepBatch* b);
-  absl::Status Run(StepBatch* b);  // non-OK: the step failed (failure_ set when the device broke)
+  absl::Status Launch(StepBatch* b);  // non-OK: the step failed (failure_ set when the device broke)
+  void Land(StepBatch& b);            // collect, tokens in place, Commit, Account
+  absl::Status Failed(const absl::Status& st);  // a failed launch or collect, to the books
   void Commit(StepBatch& b, const absl::Status& st);
-  void Account(const StepBatch& b);
+  void AccountPlan(const StepBatch& planned);  // preemptions, prefix-cache lookups
+  void Account(const StepBatch* landed);       // a landed step's counts (if any), the gauges
   // Finishes every sequence the engine holds (shutdown, a broken device).
   void FinishAll(FinishReason reason, const absl::Status& status);
 
@@ -255,6 +268,7 @@ class Engine {
   bool stop_ = false;
   bool paused_ = false;
   bool in_step_ = false;  // the engine thread is between TakeInbox and the end of Step
+  bool has_in_flight_ = false;  // a launched step is not yet landed (in_flight_ set)
   absl::Status failure_;
   int queued_ = 0;  // inbox + waiting
   EngineStats stats_;
@@ -266,6 +280,7 @@ class Engine {
   // Followers whose leader finished before starting them; they join the queue's front next step.
   std::vector<std::unique_ptr<Seq>> orphans_;
   int64_t next_seq_id_ = 0;
+  std::unique_ptr<StepBatch> in_flight_;  // launched, not yet landed (overlap_steps)
   std::thread thread_;
 };
 

@@ -202,7 +202,19 @@ __global__ void __launch_bounds__(kThreads) AnswerRowsKernel(float* logits, int 
   }
 }
 
+__global__ void __launch_bounds__(kThreads) FeedTokensKernel(const DeviceAnswer* answers, const int32_t* feeds, int n,
+                                                            int32_t* dst) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i < n) dst[feeds[2 * i]] = answers[feeds[2 * i + 1]].token;
+}
+
 }  // namespace
+
+cudaError_t FeedTokens(const DeviceAnswer* answers, const int32_t* feeds, int n, int32_t* dst, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  RELGEN_LAUNCH(FeedTokensKernel, (n + kThreads - 1) / kThreads, kThreads, 0, stream)(answers, feeds, n, dst);
+  return cudaGetLastError();
+}
 
 cudaError_t AnswerRows(float* logits, int vocab, const DeviceQuery* queries, int n, const int32_t* history,
                        float* history_raw, const double* u, DeviceAnswer* answers, cudaStream_t stream) {

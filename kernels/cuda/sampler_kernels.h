@@ -49,4 +49,14 @@ struct DeviceAnswer {
 cudaError_t AnswerRows(float* logits, int vocab, const DeviceQuery* queries, int n, const int32_t* history,
                        float* history_raw, const double* u, DeviceAnswer* answers, cudaStream_t stream);
 
+// For each of the n pairs (index, query) in `feeds`: dst[index] = answers[query].token. A step's
+// input tokens (and histories) that are the previous step's draws, taken on the device so the step
+// can be launched before those answers reach the host.
+cudaError_t FeedTokens(const DeviceAnswer* answers, const int32_t* feeds, int n, int32_t* dst, cudaStream_t stream);
+
+// For each of the n pairs (index, query) in `feeds`: dst[index] = answers[query].token. A step's
+// input tokens (and histories) that are the previous step's draws, taken on the device so the step
+// can be launched before those answers reach the host.
+cudaError_t FeedTokens(const DeviceAnswer* answers, const int32_t* feeds, int n, int32_t* dst, cudaStream_t stream);
+
 }  // namespace relgen::cuda

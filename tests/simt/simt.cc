@@ -70,6 +70,10 @@ struct CUstream_st {
   std::unique_ptr<CUgraph_st> capture;  // between Begin and EndCapture
   bool capture_invalid = false;         // a refused call happened during the capture
 };
+struct CUevent_st {
+  const CUstream_st* stream = nullptr;
+  int64_t op = 0;  // the last asynchronous copy on `stream` when recorded (0: never recorded)
+};
 struct cublasContext {
   cudaStream_t stream = nullptr;
   cublasMath_t math = CUBLAS_DEFAULT_MATH;
@@ -99,6 +103,15 @@ struct Runtime {
   // Allocation base -> the stream whose copy or GEMM into it is not yet synchronized (nullptr:
   // the legacy stream).
   std::map<uintptr_t, const CUstream_st*> in_flight;
+  // Page-locked host allocation base -> the asynchronous copy to or from it not yet synchronized:
+  // its stream and its number (ops counts those copies).
+  struct Staged {
+    const CUstream_st* stream;
+    int64_t op;
+  };
+  std::map<uintptr_t, Staged> staging;
+  int64_t ops = 0;
+  std::set<const CUevent_st*> events;
   std::set<const CUstream_st*> streams;
   std::set<const cublasContext*> handles;
   std::set<const CUgraph_st*> graphs;
@@ -226,10 +239,16 @@ void MarkInFlight(const void* p, cudaStream_t stream) {
 }
 
 // Work on `stream` (or, with all, every stream) has finished.
-void Synchronized(cudaStream_t stream, bool all) {
+// With `up_to` > 0, only the staging copies numbered up to it have (an event's synchronize; the
+// device-side writes of the whole stream count as finished, more leniently).
+void Synchronized(cudaStream_t stream, bool all, int64_t up_to = 0) {
   std::lock_guard<std::mutex> l(R().mu);
   for (auto it = R().in_flight.begin(); it != R().in_flight.end();) {
     it = all || it->second == stream ? R().in_flight.erase(it) : std::next(it);
+  }
+  for (auto it = R().staging.begin(); it != R().staging.end();) {
+    const bool done = all || (it->second.stream == stream && (up_to == 0 || it->second.op <= up_to));
+    it = done ? R().staging.erase(it) : std::next(it);
   }
 }
 
@@ -984,6 +1003,7 @@ void ResetDevice() {
   R().sticky = cudaSuccess;
   R().fault.clear();
   R().in_flight.clear();
+  R().staging.clear();
   last_error = cudaSuccess;
 }
 
@@ -1177,6 +1197,7 @@ cudaError_t cudaFreeHost(void* ptr) {
     std::fprintf(stderr, "simt: cudaFreeHost(%p): not page-locked host memory\n", ptr);
     return Fail(cudaErrorInvalidValue);
   }
+  R().staging.erase(reinterpret_cast<uintptr_t>(ptr));  // cudaFreeHost waits for the device
   std::free(ptr);
   return cudaSuccess;
 }
@@ -1190,9 +1211,35 @@ bool InPinnedLocked(const void* p, size_t bytes) {
   --it;
   return a >= it->first && a - it->first <= it->second && bytes <= it->second - (a - it->first);
 }
+// The page-locked allocation holding p (0: none). Caller holds R().mu.
+uintptr_t PinnedBaseLocked(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = R().pinned.upper_bound(a);
+  if (it == R().pinned.begin()) return 0;
+  --it;
+  return a - it->first < std::max<size_t>(it->second, 1) ? it->first : 0;
+}
+// An asynchronous copy to or from page-locked `host` on `stream`. Until a synchronize covers it, the
+// host may neither rewrite nor read that memory: a second asynchronous copy through the same
+// allocation before then means the host reused it too early (on a device, the data would be torn).
+// Counts it as a stream hazard and makes it the sticky fault.
+bool StageLocked(const void* host, cudaStream_t stream, std::string* hazard) {
+  const uintptr_t base = PinnedBaseLocked(host);
+  if (base == 0) return true;
+  auto it = R().staging.find(base);
+  if (it != R().staging.end()) {
+    *hazard = "an asynchronous copy on " + simt::StreamName(stream) + " through page-locked host memory " +
+              std::to_string(base) + " whose copy on " + simt::StreamName(it->second.stream) +
+              " is not yet synchronized (double-buffer it, or synchronize first)";
+    ++R().counters.stream_hazards;
+    return false;
+  }
+  R().staging[base] = {stream, ++R().ops};
+  return true;
+}
 
 cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, bool async) {
   SIMT_STICKY_RETURN();
   if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
   // Not captured: relgen keeps copies outside its graphs (pageable host memory cannot be in one).
@@ -1217,6 +1264,18 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
   }
   const uintptr_t touched[] = {reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src)};
   if (!simt::CheckStreamOrder("a copy", stream, touched, 2)) return Fail(cudaErrorLaunchFailure);
+  if (async && (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToHost)) {
+    std::string hazard;
+    bool ok;
+    {
+      std::lock_guard<std::mutex> l(R().mu);
+      ok = StageLocked(kind == cudaMemcpyHostToDevice ? src : dst, stream, &hazard);
+    }
+    if (!ok) {
+      simt::SetSticky(cudaErrorLaunchFailure, "stream hazard: " + hazard);
+      return Fail(cudaErrorLaunchFailure);
+    }
+  }
   std::memmove(dst, src, bytes);
   simt::MarkInFlight(dst, stream);
   std::lock_guard<std::mutex> l(R().mu);
@@ -1234,11 +1293,11 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
 }  // namespace
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
-  return Copy(dst, src, bytes, kind, nullptr);
+  return Copy(dst, src, bytes, kind, nullptr, false);
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream) {
-  return Copy(dst, src, bytes, kind, stream);
+  return Copy(dst, src, bytes, kind, stream, true);
 }
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
   SIMT_STICKY_RETURN();
@@ -1279,6 +1338,46 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
   if (simt::RefuseIfCapturing(stream)) return Fail(cudaErrorStreamCaptureUnsupported);
   simt::Synchronized(stream, false);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
+  if (event == nullptr || (flags & ~(cudaEventBlockingSync | cudaEventDisableTiming)) != 0) return Fail(cudaErrorInvalidValue);
+  auto* e = new CUevent_st;
+  std::lock_guard<std::mutex> l(R().mu);
+  R().events.insert(e);
+  *event = e;
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  SIMT_STICKY_RETURN();
+  if (!simt::StreamValid(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (simt::RefuseIfCapturing(stream)) return Fail(cudaErrorStreamCaptureUnsupported);
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().events.count(event) == 0) return Fail(cudaErrorInvalidResourceHandle);
+  event->stream = stream;
+  event->op = std::max<int64_t>(R().ops, 1);
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  SIMT_STICKY_RETURN();
+  const CUstream_st* stream;
+  int64_t op;
+  {
+    std::lock_guard<std::mutex> l(R().mu);
+    if (R().events.count(event) == 0) return Fail(cudaErrorInvalidResourceHandle);
+    stream = event->stream;
+    op = event->op;
+  }
+  if (op == 0) return cudaSuccess;  // never recorded: complete
+  simt::Synchronized(const_cast<cudaStream_t>(stream), false, op);
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  std::lock_guard<std::mutex> l(R().mu);
+  if (R().events.erase(event) == 0) return Fail(cudaErrorInvalidResourceHandle);
+  delete event;
   return cudaSuccess;
 }
 

@@ -372,6 +372,57 @@ TEST(SimtTest, StreamOrder) {
   cudaStreamDestroy(blocking);
 }
 
+// Page-locked staging: until a synchronize covers an asynchronous copy through it, the host must
+// not reuse it, so a second asynchronous copy through the same allocation faults. An event
+// synchronize covers the copies before its record only.
+TEST(SimtTest, StagingIsReusedOnlyAfterItsCopyIsSynchronized) {
+  cudaStream_t work = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking), cudaSuccess);
+  cudaEvent_t first = nullptr, second = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&first, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&second, cudaEventDisableTiming), cudaSuccess);
+  void* a = nullptr;
+  void* b = nullptr;
+  ASSERT_EQ(cudaMallocHost(&a, 64), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&b, 64), cudaSuccess);
+  float* d = Upload(std::vector<float>(16, 1.f));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const int64_t hazards = simt::GetCounters().stream_hazards;
+
+  // Two slots alternate: a, then b, each waited for by its own event before its next use.
+  ASSERT_EQ(cudaMemcpyAsync(d, a, 64, cudaMemcpyHostToDevice, work), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(first, work), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(b, d, 64, cudaMemcpyDeviceToHost, work), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(second, work), cudaSuccess);
+  ASSERT_EQ(cudaEventSynchronize(first), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(d, a, 64, cudaMemcpyHostToDevice, work), cudaSuccess);
+  EXPECT_EQ(simt::GetCounters().stream_hazards, hazards);
+  // b's copy came after `first`'s record: still in flight.
+  EXPECT_EQ(cudaMemcpyAsync(b, d, 64, cudaMemcpyDeviceToHost, work), cudaErrorLaunchFailure);
+  ExpectFault("through page-locked host memory");
+  EXPECT_EQ(simt::GetCounters().stream_hazards, hazards + 1);
+
+  // Synchronous copies and pageable memory are not staging.
+  std::vector<float> pageable(16);
+  ASSERT_EQ(cudaMemcpyAsync(pageable.data(), d, 64, cudaMemcpyDeviceToHost, work), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(pageable.data(), d, 64, cudaMemcpyDeviceToHost, work), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(a, d, 64, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(a, d, 64, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(simt::GetCounters().stream_hazards, hazards + 1);
+  ASSERT_EQ(cudaStreamSynchronize(work), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(b, d, 64, cudaMemcpyDeviceToHost, work), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(work), cudaSuccess);
+  EXPECT_EQ(simt::GetCounters().stream_hazards, hazards + 1);
+
+  EXPECT_EQ(cudaEventDestroy(first), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(second), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(second), cudaErrorInvalidResourceHandle);
+  cudaFreeHost(a);
+  cudaFreeHost(b);
+  cudaFree(d);
+  cudaStreamDestroy(work);
+}
+
 // Stream capture records, runs nothing; each graph launch replays the kernels and GEMMs in order
 // on its stream (scalars as they were at capture); refused calls invalidate the capture.
 TEST(SimtTest, GraphsCaptureAndReplay) {

@@ -89,6 +89,19 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 
+// Events. The emulator has run everything by the time it is recorded; what cudaEventSynchronize
+// marks finished is the stream's staging copies (page-locked host memory) up to the record, and,
+// more leniently, every device-side write on that stream.
+typedef struct CUevent_st* cudaEvent_t;
+#define cudaEventDefault 0x0
+#define cudaEventBlockingSync 0x1
+#define cudaEventDisableTiming 0x2
+cudaError_t cudaEventCreate(cudaEvent_t* event);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
+cudaError_t cudaEventSynchronize(cudaEvent_t event);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+
 // Stream capture and graphs. Between Begin and EndCapture a stream records kernel launches and
 // cuBLAS calls instead of running them; a copy, memset or synchronize on it is refused
 // (cudaErrorStreamCaptureUnsupported) and invalidates the capture. cudaGraphLaunch runs the
