@@ -59,7 +59,8 @@ ABSL_FLAG(std::string, kv_cache_dtype, "auto",
 ABSL_FLAG(std::string, cuda_gemm, "invariant",
           "the CUDA backend's projections: invariant (relgen's kernel: a row's bits never depend on the rows "
           "batched with it; bias, activation and residual in the same launch) or cublas (cuBLAS SGEMM: faster "
-          "long prefills, rows may change with the batch)");
+          "long prefills, rows may change with the batch) or mma (tensor cores over bf16 weights, activations rounded "
+          "to bf16, rows batch invariant; implies --weights_dtype bf16)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_encoder_tokens, 2048,

@@ -452,6 +452,41 @@ TEST_P(CudaParityTest, Bf16WeightsMatchCpuTwin) {
   EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0) << GetParam();
 }
 
+// bf16 weights on tensor cores end to end, whole and token by token: the logits against the CPU
+// backend's bf16 weights (float32 activations there; here every projection's input rounded to bf16,
+// moving each projection by at most u = 2^-8 of its terms' magnitudes, so the logits by a few u of
+// the row's largest: 4u allowed), moved from them (the rounding in effect), and prefill equal to
+// decode bit for bit (the tiles' rows are independent).
+TEST_P(CudaParityTest, TensorCoresWithinTheBf16BoundOfTheCpuTwin) {
+  REQUIRE_GPU();
+  const std::string dir = testing::GoldenDir() + "/" + GetParam();
+  auto model = *Model::Load(dir);
+  CudaOptions o;
+  o.num_blocks = 64;
+  o.weight_type = cpu::WeightType::kBf16;
+  o.tensor_cores = true;
+  auto backend = NewCudaBackend(model, o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto twin = NewCpuBackend(model, KvCacheConfig{16, 64}, 1, cpu::WeightType::kBf16, cpu::KvType::kF32);
+  ASSERT_TRUE(twin.ok()) << twin.status();
+  const int vocab = model->config().vocab_size;
+  const int len = 17;
+  const Golden g = LoadGolden(dir, len);
+  std::vector<std::vector<float>> runs;
+  double worst = 0;
+  for (int chunk : {len, 1}) {
+    const std::string what = GetParam() + " chunk " + std::to_string(chunk);
+    runs.push_back(ForwardInChunks(**backend, g.tokens, chunk));
+    const std::vector<float>& all = runs.back();
+    const std::vector<float> cpu_all = ForwardInChunks(**twin, g.tokens, chunk);
+    const std::vector<double> cpu_wide(cpu_all.begin(), cpu_all.end());
+    testing::ExpectRowsClose(all.data(), cpu_wide.data(), len, vocab, 4 * kBf16Roundoff, what + " vs the CPU's bf16 weights");
+    for (size_t i = 0; i < all.size(); ++i) worst = std::max(worst, std::abs(double(all[i]) - cpu_wide[i]));
+  }
+  EXPECT_GT(worst, 0) << "the activations' rounding in effect";
+  EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0) << GetParam();
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, CudaParityTest, ::testing::ValuesIn(testing::GoldenCases()), [](const auto& i) { return i.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaParityTest);
 
@@ -586,15 +621,20 @@ INSTANTIATE_TEST_SUITE_P(T5, CudaT5Test, ::testing::ValuesIn(T5CaseNames()), [](
 });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaT5Test);
 
-// Batched output == single-request output on the GPU engine (greedy, float32).
-class CudaEngineKvTest : public ::testing::TestWithParam<cpu::KvType> {};
+// Batched output == single-request output on the GPU engine (greedy): float32, a bf16 cache, and
+// bf16 weights on tensor cores.
+class CudaEngineKvTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
   REQUIRE_GPU();
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
   CudaOptions o;
   o.num_blocks = 512;
-  o.kv_type = GetParam();
+  if (GetParam() == "bf16") o.kv_type = cpu::KvType::kBf16;
+  if (GetParam() == "mma") {
+    o.weight_type = cpu::WeightType::kBf16;
+    o.tensor_cores = true;
+  }
   auto make = [&] { return *Engine::Create(model, *NewCudaBackend(model, o), NewByteTokenizer(), EngineConfig{}); };
   std::vector<Request> work;
   const int requests = kEmulated ? (kSanitized ? 3 : 6) : 16, max_prompt = kEmulated ? 60 : 200,
@@ -621,8 +661,8 @@ TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
   for (const Request& r : work) hs.push_back(*batch_engine->Submit(r));
   for (size_t i = 0; i < hs.size(); ++i) EXPECT_EQ(drain(*hs[i]), alone[i]) << "request " << i;
 }
-INSTANTIATE_TEST_SUITE_P(Cache, CudaEngineKvTest, ::testing::Values(cpu::KvType::kF32, cpu::KvType::kBf16),
-                         [](const auto& i) { return std::string(cpu::KvTypeName(i.param)); });
+INSTANTIATE_TEST_SUITE_P(Cache, CudaEngineKvTest, ::testing::Values("f32", "bf16", "mma"),
+                         [](const auto& i) { return i.param; });
 
 // T5 through the engine on the GPU backend, its loop driven here: requests admitted while others
 // decode (steps that encode some inputs and decode other sequences), an input longer than the step
@@ -932,9 +972,117 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
   }
 }
 
+// cuda::LinearMma, the tensor-core projection with bf16 weights: values within the derived bound
+// of float64 (against x rounded to bf16: float accumulation only; against x itself: plus 2^-8 of
+// the terms' magnitudes); on the emulator, bit for bit the documented order (k in steps of 16,
+// fmaf within); every row's bits the same alone, in any batch and at any place in one (1..260
+// rows); nothing written past the rows; the epilogue as Linear's; three products in one launch
+// equal three launches. In-widths that are and are not multiples of 16.
+TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
+  REQUIRE_GPU();
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd;
+  const int rows = OnThreads() ? 40 : 260, out = 37;  // 9 blocks of 32 rows (the last of 4), 2 of outputs
+  auto bf16 = [](float f) { return static_cast<float>(testing::Bf16Value(f)); };
+  for (const int in : OnThreads() ? std::vector<int>{40} : std::vector<int>{64, 200, 7, 48}) {
+    SCOPED_TRACE("in " + std::to_string(in));
+    std::vector<float> x(size_t(rows) * in), w(size_t(3) * out * in), bias(3 * out), y0(size_t(rows) * out);
+    for (auto* v : {&x, &w, &bias, &y0}) {
+      for (float& e : *v) e = nd(rng);
+    }
+    std::vector<uint16_t> w16(w.size());
+    for (size_t i = 0; i < w.size(); ++i) {
+      w16[i] = cpu::ToBf16(w[i]);
+      w[i] = bf16(w[i]);  // the weights as stored
+    }
+    float *dx = Upload(x), *db = Upload(bias);
+    uint16_t* dw = Upload(w16);
+    struct Epilogue {
+      const float* bias;
+      int act;
+      bool residual;
+      float alpha;
+    };
+    std::vector<Epilogue> epilogues = {Epilogue{nullptr, -1, false, 1.f}, Epilogue{db, 1, true, 1.f}};
+    if (!OnThreads()) epilogues.insert(epilogues.end(), {Epilogue{db, 3, false, 1.f}, Epilogue{db, -1, false, 0.125f}});
+    for (const Epilogue& e : epilogues) {
+      SCOPED_TRACE("act " + std::to_string(e.act) + (e.residual ? " residual" : "") + (e.bias ? " bias" : ""));
+      // Rows [first, first + n) as one launch, y from y0's rows, then a row and 8 more of NaN guards.
+      const int guards = out + 8;
+      auto run = [&](int first, int n) {
+        std::vector<float> init(y0.begin() + size_t(first) * out, y0.begin() + size_t(first + n) * out);
+        init.resize(init.size() + guards, NAN);
+        float* dy = Upload(init);
+        EXPECT_EQ(cuda::LinearMma(dx + size_t(first) * in, n, in, dw, out, e.bias, e.act, e.residual, e.alpha, dy, nullptr),
+                  cudaSuccess);
+        std::vector<float> h(init.size());
+        EXPECT_EQ(cudaMemcpy(h.data(), dy, h.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+        cudaFree(dy);
+        for (int g = 0; g < guards; ++g) EXPECT_TRUE(std::isnan(h[size_t(n) * out + g])) << "written past the rows";
+        h.resize(size_t(n) * out);
+        return h;
+      };
+      const std::vector<float> all = run(0, rows);
+      for (int r = 0; r < rows; ++r) {
+        for (int o = 0; o < out; ++o) {
+          double rounded = 0, exact = 0, mag = 0;
+          float ordered = 0.f;  // the emulator's order: k ascending, one fmaf each
+          for (int k = 0; k < in; ++k) {
+            const float xk = x[size_t(r) * in + k], wk = w[size_t(o) * in + k];
+            rounded += double(bf16(xk)) * wk;
+            exact += double(xk) * wk;
+            mag += std::abs(double(xk) * wk);
+            ordered = std::fmaf(bf16(xk), wk, ordered);
+          }
+          auto epilogue = [&](double sum) {
+            double v = e.alpha * sum + (e.bias != nullptr ? bias[o] : 0.0);
+            if (e.act == 1) v = 0.5 * v * (1 + std::erf(v / std::sqrt(2.0)));
+            if (e.act == 3) v = v / (1 + std::exp(-v));
+            return e.residual ? v + y0[size_t(r) * out + o] : v;
+          };
+          const float got = all[size_t(r) * out + o];
+          const double scale = 1 + mag + std::abs(y0[size_t(r) * out + o]);
+          ASSERT_NEAR(got, epilogue(rounded), (in + 16) * 6e-8 * scale) << "row " << r << ", output " << o;
+          ASSERT_NEAR(got, epilogue(exact), (kBf16Roundoff + (in + 16) * 6e-8) * scale)
+              << "row " << r << ", output " << o;
+          if (kEmulated && e.bias == nullptr && e.act < 0 && !e.residual && e.alpha == 1.f) {
+            ASSERT_EQ(got, ordered) << "row " << r << ", output " << o;
+          }
+        }
+      }
+      for (const auto [first, n] : {std::pair{0, 1}, std::pair{5, 1}, std::pair{rows - 1, 1}, std::pair{3, 17},
+                                    std::pair{31, 2}, std::pair{1, rows - 2}, std::pair{33, rows - 34}}) {
+        const std::vector<float> part = run(first, n);
+        ASSERT_EQ(std::memcmp(part.data(), all.data() + size_t(first) * out, part.size() * sizeof(float)), 0)
+            << "rows " << first << ".." << first + n - 1 << " alone differ from the same rows in the batch of " << rows;
+      }
+    }
+    // Three products in one launch (a fused QKV): each equals its own launch, bit for bit.
+    const int64_t ystride = int64_t{rows} * out + 5;
+    float* dy3 = Upload(std::vector<float>(size_t(3 * ystride), NAN));
+    ASSERT_EQ(cuda::LinearMma(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr, 3, int64_t{out} * in, out, ystride),
+              cudaSuccess);
+    std::vector<float> three(size_t(3 * ystride)), one(size_t(rows) * out);
+    ASSERT_EQ(cudaMemcpy(three.data(), dy3, three.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    float* dy1 = Upload(one);
+    for (int z = 0; z < 3; ++z) {
+      ASSERT_EQ(cuda::LinearMma(dx, rows, in, dw + size_t(z) * out * in, out, db + z * out, -1, false, 1.f, dy1, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(one.data(), dy1, one.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
+      EXPECT_TRUE(std::isnan(three[z * ystride + size_t(rows) * out])) << "product " << z << " wrote past its rows";
+    }
+    for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3),
+                    static_cast<void*>(dy1)}) {
+      cudaFree(d);
+    }
+  }
+}
+
 // The fused projection that writes k and v into the cache: q, and the pool's bits (f32 and bf16,
 // scattered pages, rows at several positions of two sequences), equal Linear's three products then
-// WriteKv; bf16 weights too; a pool whose width is not the projection's is refused.
+// WriteKv; bf16 weights too, and on tensor cores (LinearMma); a pool whose width is not the
+// projection's is refused.
 TEST(CudaKernelsTest, QkvToCacheEqualsLinearThenWriteKv) {
   REQUIRE_GPU();
   std::mt19937 rng(17);
@@ -961,9 +1109,10 @@ TEST(CudaKernelsTest, QkvToCacheEqualsLinearThenWriteKv) {
   float* qkv = Upload(std::vector<float>(static_cast<size_t>(3 * stride)));
   float* q = Upload(std::vector<float>(static_cast<size_t>(stride)));
   for (const cuda::KvElem type : {cuda::KvElem::kF32, cuda::KvElem::kBf16}) {
-    for (const bool bf16_weights : {false, true}) {
+    for (const int mode : {0, 1, 2}) {  // f32 weights, bf16 weights, bf16 weights on tensor cores
+      const bool bf16_weights = mode > 0, mma = mode == 2;
       SCOPED_TRACE(std::string(type == cuda::KvElem::kBf16 ? "bf16" : "f32") + " pool, " +
-                   (bf16_weights ? "bf16" : "f32") + " weights");
+                   (bf16_weights ? "bf16" : "f32") + " weights" + (mma ? ", tensor cores" : ""));
       const size_t pool_bytes = size_t{nblocks} * heads * bs * hd * (type == cuda::KvElem::kBf16 ? 2 : 4);
       std::vector<std::vector<uint8_t>> pools;  // [k, v] of each way
       for (const bool fused : {false, true}) {
@@ -971,12 +1120,14 @@ TEST(CudaKernelsTest, QkvToCacheEqualsLinearThenWriteKv) {
         cuda::KvPool kv{Upload(std::vector<uint8_t>(pool_bytes, 0xa5)), Upload(std::vector<uint8_t>(pool_bytes, 0xa5)),
                         bs, heads, hd, type};
         if (fused) {
-          ASSERT_EQ(bf16_weights ? cuda::QkvToCache(dx, rows, in, dw16, width, db, q, kv, kv_rows, nullptr)
-                                 : cuda::QkvToCache(dx, rows, in, dw, width, db, q, kv, kv_rows, nullptr),
+          ASSERT_EQ(mma            ? cuda::QkvToCacheMma(dx, rows, in, dw16, width, db, q, kv, kv_rows, nullptr)
+                    : bf16_weights ? cuda::QkvToCache(dx, rows, in, dw16, width, db, q, kv, kv_rows, nullptr)
+                                   : cuda::QkvToCache(dx, rows, in, dw, width, db, q, kv, kv_rows, nullptr),
                     cudaSuccess);
         } else {
           const int64_t ws = int64_t{width} * in;
-          ASSERT_EQ(bf16_weights
+          ASSERT_EQ(mma ? cuda::LinearMma(dx, rows, in, dw16, width, db, -1, false, 1.f, qkv, nullptr, 3, ws, width, stride)
+                    : bf16_weights
                         ? cuda::Linear(dx, rows, in, dw16, width, db, -1, false, 1.f, qkv, nullptr, 3, ws, width, stride)
                         : cuda::Linear(dx, rows, in, dw, width, db, -1, false, 1.f, qkv, nullptr, 3, ws, width, stride),
                     cudaSuccess);

@@ -88,6 +88,7 @@ BUDGETS = {
     "AttentionTileKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (4 query rows of state per lane)
     "CombineKernel": Budget(threads=64, regs=64),  # >= 50%: 16 blocks x 2 warps
     "LinearKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (loads in flight over occupancy)
+    "LinearMmaKernel": Budget(threads=128, regs=64),  # >= 50%: 8 blocks x 4 warps (tensor cores, staged tiles)
     # kernels/cuda/sampler_kernels.cu
     "AnswerRowsKernel": Budget(threads=256, regs=64),  # >= 50%: 4 blocks x 8 warps (a block per row, L2-bound passes)
     "FeedTokensKernel": Budget(threads=256, regs=32),  # 100%

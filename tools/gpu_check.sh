@@ -156,6 +156,8 @@ run() {
       --peer none --weights_dtype bf16 --kv_cache_dtype bf16 --json "$OUT/bench_bf16.json"
     stage bench_cublas "${GPU_CHECK_BENCH_LIMIT:-120}" "${bench[@]}" --batches 1,64 --contexts 512 --reps 3 \
       --peer none --cuda_gemm cublas --json "$OUT/bench_cublas.json"
+    stage bench_mma "${GPU_CHECK_BENCH_LIMIT:-120}" "${bench[@]}" --batches 1,8,64 --contexts 512 --reps 3 \
+      --peer none --weights_dtype bf16 --kv_cache_dtype bf16 --cuda_gemm mma --json "$OUT/bench_mma.json"
   fi
   # Per-kernel device time of a few decode steps (the last launches of each run): the performance
   # model's terms one by one, each kernel alone (Nsight Compute serialises them).
@@ -186,6 +188,9 @@ run() {
       stage "relgen_$shape" 240 "$root/bin/relgen-bench" engine --device cuda --model "$dir" "${gb[@]}" \
         --batches "$batches" --contexts 512 --steps 8 --reps 1 --peer none --weights_dtype bf16 --kv_cache_dtype bf16 \
         --batch_prefill 0 --json "$OUT/relgen_$shape.json"
+      stage "relgen_mma_$shape" 240 "$root/bin/relgen-bench" engine --device cuda --model "$dir" "${gb[@]}" \
+        --batches "$batches" --contexts 512 --steps 8 --reps 1 --peer none --weights_dtype bf16 --kv_cache_dtype bf16 \
+        --cuda_gemm mma --batch_prefill 0 --json "$OUT/relgen_mma_$shape.json"
       stage "hf_$shape" 200 "$py" "$src/tools/bench/hf_peer.py" bench --model "$dir" --batches "$batches" \
         --context 512 --steps 16 --reps 2 --json "$OUT/hf_$shape.json"
       # The host's share of a step (issue 32): 64 clients served with and without overlapped steps,
@@ -209,7 +214,7 @@ run() {
       rm -rf "$dir"
     done
   fi
-  for f in bench_f32_torch bench_bf16 bench_cublas; do
+  for f in bench_f32_torch bench_bf16 bench_cublas bench_mma; do
     [ -f "$OUT/$f.log" ] || continue
     echo "---- $f"
     sed -n '/^tokens\/s/,/^$/p' "$OUT/$f.log"

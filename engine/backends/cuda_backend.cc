@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -440,6 +441,12 @@ class CudaBackend final : public Backend {
                       bool residual, float alpha, float* y, int batch = 1, int64_t w_stride = 0,
                       int64_t bias_stride = 0, int64_t y_stride = 0) {
     return WithMatrix(name, [&](auto w) {
+      if constexpr (std::is_same_v<decltype(w), const uint16_t*>) {
+        if (options_.tensor_cores) {
+          return cuda::LinearMma(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride,
+                                 bias_stride, y_stride);
+        }
+      }
       return cuda::Linear(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride, bias_stride,
                           y_stride);
     });
@@ -495,6 +502,9 @@ class CudaBackend final : public Backend {
       if (fused_bias || (bq == nullptr && W(p + "attn.k.bias") == nullptr && W(p + "attn.v.bias") == nullptr)) {
         if (cache != nullptr) {
           RELGEN_CUDA_RETURN(WithMatrix(p + "attn.q.weight", [&](auto wqkv) {
+            if constexpr (std::is_same_v<decltype(wqkv), const uint16_t*>) {
+              if (options_.tensor_cores) return cuda::QkvToCacheMma(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_);
+            }
             return cuda::QkvToCache(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_);
           }));
           *written = true;
@@ -1011,6 +1021,11 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
   if (o.weight_type == cpu::WeightType::kInt8) {
     return absl::InvalidArgumentError(
         "--weights_dtype int8: the CUDA backend stores f32 or bf16 weights; use f32, bf16, or --device cpu");
+  }
+  if (o.tensor_cores && (o.weight_type != cpu::WeightType::kBf16 || o.cublas_gemms)) {
+    return absl::InvalidArgumentError(
+        "--cuda_gemm mma: tensor cores multiply bf16 weights; use --weights_dtype bf16 (or auto with a bf16 "
+        "checkpoint), or --cuda_gemm invariant");
   }
   if (o.weight_type == cpu::WeightType::kBf16 && o.cublas_gemms) {
     return absl::InvalidArgumentError(

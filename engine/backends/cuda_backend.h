@@ -56,6 +56,10 @@ struct CudaOptions {
   // `cublas_gemms`); int8 is the CPU's alone. Embeddings, norms, biases and relative tables stay
   // float32.
   cpu::WeightType weight_type = cpu::WeightType::kF32;
+  // bf16 weights' projections on tensor cores (cuda::LinearMma: x rounded to bf16 per element, float
+  // accumulation in a fixed order, rows batch invariant), instead of relgen's float32 kernel over the
+  // widened weights. Needs weight_type kBf16.
+  bool tensor_cores = false;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, const CudaOptions& options);

@@ -16,6 +16,7 @@ std::string AutoWeightsDtype(const Model& model, const std::string& cuda_gemm) {
   // bf16 weights compute exactly what a bf16 checkpoint stores, in half the bytes of float32, on
   // both devices (cuBLAS's projections take float32 only). float16 is widened: relgen has no float16
   // kernel, and bf16 would lose three of its mantissa bits.
+  if (cuda_gemm == "mma") return "bf16";  // tensor cores multiply bf16
   return model.file_dtype() == DType::kBF16 && cuda_gemm != "cublas" ? "bf16" : "f32";
 }
 
@@ -40,8 +41,8 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     return absl::InvalidArgumentError(
         absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed auto, f32, bf16, int8"));
   }
-  if (o.cuda_gemm != "invariant" && o.cuda_gemm != "cublas") {
-    return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm ", o.cuda_gemm, ": allowed invariant, cublas"));
+  if (o.cuda_gemm != "invariant" && o.cuda_gemm != "cublas" && o.cuda_gemm != "mma") {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm ", o.cuda_gemm, ": allowed invariant, cublas, mma"));
   }
   cpu::KvType kv_type;
   if (!cpu::ParseKvType(o.kv_cache_dtype == "auto" ? AutoKvDtype(*model) : o.kv_cache_dtype, &kv_type)) {
@@ -59,6 +60,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     co.weight_type = weights;  // int8 refused by NewCudaBackend, naming the way out
     co.kv_type = kv_type;
     co.cublas_gemms = o.cuda_gemm == "cublas";
+    co.tensor_cores = o.cuda_gemm == "mma";
     co.attention_split_keys = o.cuda_split_keys;
     co.block_size = o.kv_block_size;
     // The default: most of what the weights, the largest step and the headroom leave.

@@ -1,6 +1,9 @@
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/launch.h"
@@ -102,6 +105,29 @@ __device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xf
 constexpr int kRowLoads = 8, kVLoads = 8;
 constexpr int kLinWarps = 4;  // per block
 
+// A projection's output (row, col) from its sum: alpha, bias, activation, then into y (plus its old
+// value with `residual`) or, for the K (z = 1) and V (z = 2) parts of a fused QKV projection with a
+// pool, straight into the cache as WriteKv writes it. `y` and `bias` are the launch's z-th.
+__device__ __forceinline__ void LinearOut(float sum, int row, int col, int out, const float* bias, int act,
+                                          bool residual, float alpha, float* y, const KvPool& kv, const Rows& kv_rows) {
+  float val = alpha * sum;
+  if (bias != nullptr) val += bias[col];
+  val = Act(act, val);
+  if (kv.k != nullptr && blockIdx.z > 0) {
+    const int64_t dst = RowOffset(kv, kv_rows.block_tables + kv_rows.table_offset[row], col / kv.head_dim,
+                                  kv_rows.position[row]) + col % kv.head_dim;
+    void* const pool = blockIdx.z == 1 ? kv.k : kv.v;
+    if (kv.type == KvElem::kBf16) {
+      Store(static_cast<uint16_t*>(pool) + dst, val);
+    } else {
+      Store(static_cast<float*>(pool) + dst, val);
+    }
+  } else {
+    float* const at = y + int64_t{row} * out + col;
+    *at = residual ? *at + val : val;
+  }
+}
+
 // Four weights from k on (16-byte aligned floats, or 8-byte aligned bf16 bits widened exactly).
 __device__ __forceinline__ float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 Load4(const uint16_t* p) {
@@ -195,23 +221,55 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
   if (lane < kSums && rr < live_rows && o < live_outs) {
     float sum = 0.f;
     for (int l = 0; l < 32; ++l) sum += partial[warp][lane][l];
-    float* const at = y + int64_t{r0 + rr} * out + o0 + o;
-    float val = alpha * sum;
-    if (bias != nullptr) val += bias[o0 + o];
-    val = Act(act, val);
-    if (kv.k != nullptr && blockIdx.z > 0) {  // k (z = 1) or v (z = 2) straight into the cache, as WriteKv
-      const int row = r0 + rr, col = o0 + o;
-      const int64_t dst = RowOffset(kv, kv_rows.block_tables + kv_rows.table_offset[row], col / kv.head_dim,
-                                    kv_rows.position[row]) + col % kv.head_dim;
-      void* const pool = blockIdx.z == 1 ? kv.k : kv.v;
-      if (kv.type == KvElem::kBf16) {
-        Store(static_cast<uint16_t*>(pool) + dst, val);
-      } else {
-        Store(static_cast<float*>(pool) + dst, val);
-      }
-    } else {
-      *at = residual ? *at + val : val;
+    LinearOut(sum, r0 + rr, o0 + o, out, bias, act, residual, alpha, y, kv, kv_rows);
+  }
+}
+
+// Tensor cores, bf16 weights: a block of kMmaWarps warps computes 32 rows x 32 outputs, a 16 x 16
+// tile per warp. For each 16 of k in turn, the block rounds its 32 rows of x to bf16 and stages
+// them with the 32 weight rows in shared memory (zeros past rows, out and in), and each warp adds
+// one m16n16k16 product to its float accumulator. An output's sum is the same chain of products
+// whichever rows share its tile, and the k order is fixed: rows are batch invariant.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaLd = 24;  // staged row pitch in bf16: a multiple of 8, rows 16-byte aligned
+__global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x, int rows, int in, const uint16_t* w,
+                                                                  int out, const float* bias, int act, bool residual,
+                                                                  float alpha, float* y, int64_t w_stride,
+                                                                  int64_t bias_stride, int64_t y_stride, KvPool kv,
+                                                                  Rows kv_rows) {
+  namespace wmma = nvcuda::wmma;
+  __shared__ __attribute__((aligned(32))) __nv_bfloat16 xs[32 * kMmaLd];
+  __shared__ __attribute__((aligned(32))) __nv_bfloat16 ws[32 * kMmaLd];
+  __shared__ __attribute__((aligned(32))) float cs[kMmaWarps][16 * 16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = warp >> 1, wn = warp & 1;
+  w += blockIdx.z * w_stride;
+  y += blockIdx.z * y_stride;
+  if (bias != nullptr) bias += blockIdx.z * bias_stride;
+  const int r0 = blockIdx.y * 32, o0 = blockIdx.x * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.f);
+  for (int k0 = 0; k0 < in; k0 += 16) {
+    for (int e = threadIdx.x; e < 32 * 16; e += 32 * kMmaWarps) {
+      const int r = e >> 4, k = e & 15;
+      const bool live_k = k0 + k < in;
+      xs[r * kMmaLd + k] = __float2bfloat16_rn(r0 + r < rows && live_k ? x[int64_t{r0 + r} * in + k0 + k] : 0.f);
+      ws[r * kMmaLd + k] =
+          __ushort_as_bfloat16(o0 + r < out && live_k ? w[int64_t{o0 + r} * in + k0 + k] : static_cast<uint16_t>(0));
     }
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+    wmma::load_matrix_sync(a, xs + 16 * wm * kMmaLd, kMmaLd);
+    wmma::load_matrix_sync(b, ws + 16 * wn * kMmaLd, kMmaLd);
+    wmma::mma_sync(acc, a, b, acc);
+    __syncthreads();
+  }
+  wmma::store_matrix_sync(cs[warp], acc, 16, wmma::mem_row_major);
+  __syncwarp();
+  for (int e = lane; e < 16 * 16; e += 32) {
+    const int row = r0 + 16 * wm + (e >> 4), col = o0 + 16 * wn + (e & 15);
+    if (row < rows && col < out) LinearOut(cs[warp][e], row, col, out, bias, act, residual, alpha, y, kv, kv_rows);
   }
 }
 
@@ -739,9 +797,17 @@ template <typename TW>
 cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out, const float* bias, int act,
                          bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
                          int64_t bias_stride, int64_t y_stride, const KvPool& kv = KvPool{},
-                         const Rows& kv_rows = Rows{}) {
+                         const Rows& kv_rows = Rows{}, bool mma = false) {
   if (in < 1 || out < 1 || batch < 1) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
+  if constexpr (std::is_same_v<TW, uint16_t>) {
+    if (mma) {
+      const dim3 grid(Blocks(out, 32), Blocks(rows, 32), batch);
+      RELGEN_LAUNCH(LinearMmaKernel, grid, 32 * kMmaWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y,
+                                                                  w_stride, bias_stride, y_stride, kv, kv_rows);
+      return cudaGetLastError();
+    }
+  }
   // One row (a batch-1 decode step): a warp per output, eight 16-byte loads in flight per lane, so
   // the grid has 4x the warps and each a quarter of the round trips. Otherwise 4 outputs x 4 rows
   // per warp, two loads of each in flight. The same bits either way (see LinearKernel).
@@ -761,12 +827,12 @@ cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out,
 
 template <typename TW>
 cudaError_t LaunchQkvToCache(const float* x, int rows, int in, const TW* w, int width, const float* bias, float* q,
-                             const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
+                             const KvPool& kv, const Rows& kv_rows, cudaStream_t s, bool mma = false) {
   if (kv.k == nullptr || kv.v == nullptr || kv.n_heads * kv.head_dim != width || kv_rows.n != rows) {
     return cudaErrorInvalidValue;
   }
   return LaunchLinear(x, rows, in, w, width, bias, -1, false, 1.f, q, s, 3, int64_t{width} * in,
-                      bias != nullptr ? width : 0, 0, kv, kv_rows);
+                      bias != nullptr ? width : 0, 0, kv, kv_rows, mma);
 }
 }  // namespace
 
@@ -780,6 +846,18 @@ cudaError_t Linear(const float* x, int rows, int in, const uint16_t* w, int out,
                    bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
                    int64_t bias_stride, int64_t y_stride) {
   return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride);
+}
+
+cudaError_t LinearMma(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int act,
+                      bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
+                      int64_t bias_stride, int64_t y_stride) {
+  return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride,
+                      KvPool{}, Rows{}, true);
+}
+
+cudaError_t QkvToCacheMma(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
+                          const KvPool& kv, const Rows& kv_rows, cudaStream_t s) {
+  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s, true);
 }
 
 cudaError_t QkvToCache(const float* x, int rows, int in, const float* w, int width, const float* bias, float* q,
