@@ -859,6 +859,27 @@ TEST(CudaKernelsTest, WriteKvMatchesTheCpuPoolLayout) {
   for (void* d : {p16.k, p16.v}) cudaFree(d);
 }
 
+// Three products in one launch (a fused QKV, `linear` with batch 3 into dy3, ystride apart) each
+// equal their own launch, bit for bit, and none writes past its rows. Returns the fused output.
+template <typename TW, typename LinearFn>
+std::vector<float> ExpectFusedEqualsThreeLaunches(LinearFn linear, const float* dx, const TW* dw, const float* db,
+                                                  int rows, int in, int out, float* dy3, int64_t ystride) {
+  EXPECT_EQ(linear(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr, 3, int64_t{out} * in, out, ystride),
+            cudaSuccess);
+  std::vector<float> three(size_t(3 * ystride)), one(size_t(rows) * out);
+  EXPECT_EQ(cudaMemcpy(three.data(), dy3, three.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  float* dy1 = Upload(one);
+  for (int z = 0; z < 3; ++z) {
+    EXPECT_EQ(linear(dx, rows, in, dw + size_t(z) * out * in, out, db + z * out, -1, false, 1.f, dy1, nullptr, 1, 0, 0, 0),
+              cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(one.data(), dy1, one.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
+    EXPECT_TRUE(std::isnan(three[z * ystride + size_t(rows) * out])) << "product " << z << " wrote past its rows";
+  }
+  cudaFree(dy1);
+  return three;
+}
+
 // cuda::Linear, the projections' kernel: every row's bits are the same whether it runs alone, in a
 // batch, or at another place in one (other rows per pass, per block); the values match a float64
 // product within float32 rounding; bias, activation, residual and alpha in the epilogue; three
@@ -927,18 +948,8 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
     // Three products in one launch (a fused QKV): each equals its own launch, bit for bit.
     const int64_t ystride = int64_t{rows} * out + 5;
     float* dy3 = Upload(std::vector<float>(size_t(3 * ystride), NAN));
-    ASSERT_EQ(cuda::Linear(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr, 3, int64_t{out} * in, out, ystride),
-              cudaSuccess);
-    std::vector<float> three(size_t(3 * ystride)), one(size_t(rows) * out);
-    ASSERT_EQ(cudaMemcpy(three.data(), dy3, three.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    float* dy1 = Upload(one);
-    for (int z = 0; z < 3; ++z) {
-      ASSERT_EQ(cuda::Linear(dx, rows, in, dw + size_t(z) * out * in, out, db + z * out, -1, false, 1.f, dy1, nullptr),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(one.data(), dy1, one.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
-      EXPECT_TRUE(std::isnan(three[z * ystride + size_t(rows) * out])) << "product " << z << " wrote past its rows";
-    }
+    const std::vector<float> three = ExpectFusedEqualsThreeLaunches(
+        [](auto... a) { return cuda::Linear(a...); }, dx, dw, db, rows, in, out, dy3, ystride);
     // bf16 weights (bits rounded here by testing::Bf16Value's rule): the float32 kernel's sums over
     // the widened weights, bit for bit, fused and alone.
     std::vector<uint16_t> w16(w.size());
@@ -966,7 +977,7 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
     ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0) << "bf16 weights";
     ASSERT_NE(std::memcmp(narrow.data(), unrounded.data(), narrow.size() * sizeof(float)), 0) << "rounding in effect";
     for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3),
-                    static_cast<void*>(dy1), static_cast<void*>(dw16), static_cast<void*>(dwide)}) {
+                    static_cast<void*>(dw16), static_cast<void*>(dwide)}) {
       cudaFree(d);
     }
   }
@@ -1060,20 +1071,8 @@ TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
     // Three products in one launch (a fused QKV): each equals its own launch, bit for bit.
     const int64_t ystride = int64_t{rows} * out + 5;
     float* dy3 = Upload(std::vector<float>(size_t(3 * ystride), NAN));
-    ASSERT_EQ(cuda::LinearMma(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr, 3, int64_t{out} * in, out, ystride),
-              cudaSuccess);
-    std::vector<float> three(size_t(3 * ystride)), one(size_t(rows) * out);
-    ASSERT_EQ(cudaMemcpy(three.data(), dy3, three.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    float* dy1 = Upload(one);
-    for (int z = 0; z < 3; ++z) {
-      ASSERT_EQ(cuda::LinearMma(dx, rows, in, dw + size_t(z) * out * in, out, db + z * out, -1, false, 1.f, dy1, nullptr),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(one.data(), dy1, one.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
-      EXPECT_TRUE(std::isnan(three[z * ystride + size_t(rows) * out])) << "product " << z << " wrote past its rows";
-    }
-    for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3),
-                    static_cast<void*>(dy1)}) {
+    ExpectFusedEqualsThreeLaunches([](auto... a) { return cuda::LinearMma(a...); }, dx, dw, db, rows, in, out, dy3, ystride);
+    for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3)}) {
       cudaFree(d);
     }
   }
