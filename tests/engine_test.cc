@@ -507,6 +507,8 @@ TEST(OverlapTest, PauseLandsTheStepInFlight) {
   auto a = *engine->Submit(Prompt(5, 40));
   ASSERT_TRUE(ahead->WaitWhileHeld(4));
   std::thread pauser([&] { engine->Pause(); });
+  // Released only once the pause is requested: the request (40 tokens) cannot finish before it.
+  while (!engine->PauseRequested()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ahead->Release();
   pauser.join();
   const int launches = ahead->launches();

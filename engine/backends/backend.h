@@ -86,7 +86,6 @@ class Backend {
   // broken until the process ends): every later Forward would fail. Asked after a failed Forward.
   virtual absl::Status Broken() const { return absl::OkStatus(); }
 
- private:
  protected:
   // How the default Launch spreads the answering over rows (null: in order on the calling thread).
   virtual ParallelFor row_parallel() { return nullptr; }

@@ -405,6 +405,11 @@ void Engine::Pause() {
   cv_.wait(lock, [this] { return !in_step_ && !has_in_flight_; });
 }
 
+bool Engine::PauseRequested() {
+  std::unique_lock<std::mutex> lock(mu_);
+  return paused_;
+}
+
 void Engine::Resume() {
   std::unique_lock<std::mutex> lock(mu_);
   paused_ = false;

@@ -211,6 +211,8 @@ class Engine {
   // Shutdown still finishes everything while paused.
   void Pause();
   void Resume();
+  // Whether Pause() has been called (and Resume() not since), even while Pause() still waits.
+  bool PauseRequested();
   // Non-OK (UNAVAILABLE, naming the fault) once the backend reported itself broken: every request
   // then outstanding has failed with it, and every later Submit does. The engine cannot recover;
   // the process must restart.
