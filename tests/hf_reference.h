@@ -61,40 +61,54 @@ inline std::vector<HfPrompt> ReadHfReference(const nlohmann::json& c) {
   return out;
 }
 
-// Prefills each prompt, then decodes transformers' greedy tokens one at a time (a page-scattered
-// block table): every position's logits within `rtol` (relative to the row's largest), and each
-// step's argmax equal to transformers' next token. Returns all logits, for bitwise comparisons.
+// Prefills the prompt, then decodes transformers' greedy tokens one at a time (a page-scattered
+// block table). Returns the logits of every prompt position and every decoded one (empty after a
+// failure, which it reports).
+inline std::vector<float> TeacherForcedHf(Backend& backend, const HfPrompt& p, int max_new, const std::string& what) {
+  const int block = backend.kv_cache().block_size;
+  const int new_tokens = std::min<int>(max_new, static_cast<int>(p.greedy.size()));
+  std::vector<int32_t> seq = p.prompt;
+  seq.insert(seq.end(), p.greedy.begin(), p.greedy.begin() + new_tokens);
+  std::vector<int32_t> table((seq.size() + block - 1) / block);
+  std::iota(table.begin(), table.end(), 0);
+  std::reverse(table.begin(), table.end());
+  std::vector<float> all, part;
+  const int n = static_cast<int>(p.prompt.size());
+  SequenceStep s{absl::MakeConstSpan(seq).subspan(0, n), 0, table, true};
+  if (!backend.Forward({&s, 1}, &all).ok()) {
+    ADD_FAILURE() << what << ": the prefill failed";
+    return {};
+  }
+  for (int t = 0; t + 1 < new_tokens; ++t) {
+    SequenceStep d{absl::MakeConstSpan(seq).subspan(n + t, 1), n + t, table, false};
+    if (!backend.Forward({&d, 1}, &part).ok()) {
+      ADD_FAILURE() << what << ": decode step " << t << " failed";
+      return {};
+    }
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
+// TeacherForcedHf for each prompt: every position's logits within `rtol` (relative to the row's
+// largest), and each step's argmax equal to transformers' next token. Returns all logits, for
+// bitwise comparisons.
 inline std::vector<float> ExpectBackendMatchesHf(Backend& backend, const std::vector<HfPrompt>& prompts, int vocab,
                                                  double rtol, const std::string& what, int max_new = 1 << 30) {
   std::vector<float> everything;
-  const int block = backend.kv_cache().block_size;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const HfPrompt& p = prompts[i];
-    const int new_tokens = std::min<int>(max_new, static_cast<int>(p.greedy.size()));
-    std::vector<int32_t> seq = p.prompt;
-    seq.insert(seq.end(), p.greedy.begin(), p.greedy.begin() + new_tokens);
-    std::vector<int32_t> table((seq.size() + block - 1) / block);
-    std::iota(table.begin(), table.end(), 0);
-    std::reverse(table.begin(), table.end());
-    std::vector<float> all, part;
-    const int n = static_cast<int>(p.prompt.size());
-    SequenceStep s{absl::MakeConstSpan(seq).subspan(0, n), 0, table, true};
-    EXPECT_TRUE(backend.Forward({&s, 1}, &all).ok());
-    for (int t = 0; t < new_tokens; ++t) {
-      // The token transformers chose from the last logits must be relgen's argmax too.
-      const float* row = all.data() + (all.size() - vocab);
+    const std::string name = what + " prompt " + std::to_string(i);
+    const std::vector<float> all = TeacherForcedHf(backend, p, max_new, name);
+    if (all.empty()) return everything;
+    const int rows = static_cast<int>(all.size() / vocab), n = static_cast<int>(p.prompt.size());
+    for (int t = 0; n - 1 + t < rows; ++t) {
+      // The token transformers chose from these logits must be relgen's argmax too.
+      const float* row = all.data() + int64_t{n - 1 + t} * vocab;
       const int argmax = static_cast<int>(std::max_element(row, row + vocab) - row);
-      EXPECT_EQ(argmax, p.greedy[t]) << what << " prompt " << i << " new token " << t;
-      if (t + 1 == new_tokens) break;
-      SequenceStep d{absl::MakeConstSpan(seq).subspan(n + t, 1), n + t, table, false};
-      if (!backend.Forward({&d, 1}, &part).ok()) {
-        ADD_FAILURE() << what << ": decode step failed";
-        return everything;
-      }
-      all.insert(all.end(), part.begin(), part.end());
+      EXPECT_EQ(argmax, p.greedy[t]) << name << " new token " << t;
     }
-    const int rows = static_cast<int>(all.size() / vocab);
-    ExpectRowsClose(all.data(), p.logits.data(), rows, vocab, rtol, what + " prompt " + std::to_string(i));
+    ExpectRowsClose(all.data(), p.logits.data(), rows, vocab, rtol, name);
     everything.insert(everything.end(), all.begin(), all.end());
   }
   return everything;

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cpu/ops.h"
@@ -70,8 +71,13 @@ void Embed(const StoredMatrix& table, const int32_t* ids, int n, float scale, fl
 class CpuBackend final : public Backend {
  public:
   CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads, cpu::WeightType wt,
-             cpu::KvType kv_type)
-      : model_(std::move(model)), kv_(kv), weight_type_(wt), kv_type_(kv_type), pool_(threads) {
+             cpu::KvType kv_type, bool bf16_activations)
+      : model_(std::move(model)),
+        kv_(kv),
+        weight_type_(wt),
+        kv_type_(kv_type),
+        bf16_activations_(bf16_activations),
+        pool_(threads) {
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
     dims_.n_heads = c.n_heads;
@@ -214,6 +220,14 @@ class CpuBackend final : public Backend {
   // Encodes the input of every step that carries one and writes each decoder layer's cross K/V.
   void Encode(absl::Span<const SequenceStep> steps);
   void Linear(const float* x, int rows, const cpu::PackedMatrix& w, const float* bias, float* y) {
+    if (bf16_activations_) {
+      const int k = w.k();
+      rounded_.resize(int64_t{rows} * k);
+      Rows(rows, k, [&](int r0, int r1) {
+        for (int64_t i = int64_t{r0} * k; i < int64_t{r1} * k; ++i) rounded_[i] = cpu::FromBf16(cpu::ToBf16(x[i]));
+      });
+      x = rounded_.data();
+    }
     cpu::LinearPacked(x, rows, w, bias, y, &pool_);
   }
 
@@ -234,9 +248,11 @@ class CpuBackend final : public Backend {
   KvCacheConfig kv_;
   cpu::WeightType weight_type_;
   cpu::KvType kv_type_;
+  bool bf16_activations_;
   int64_t layer_bytes_ = 0;
   KvPool k_pool_, v_pool_;
   bool pool_ok_ = false;
+  std::vector<float> rounded_;  // the rounded input of one projection
   cpu::ThreadPool pool_;
   std::vector<PackedLayer> packed_, encoder_packed_;
   cpu::PackedMatrix lm_head_;
@@ -452,11 +468,16 @@ absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vect
     }
   }
   if (pre) Norm(sel, out_rows, model_->final_norm_w(), model_->final_norm_b(), sel);
-  if (c.lm_head_input_scale != 1.0f) {
+  // Rounded activations: the scale after the product, as the tensor cores' epilogue applies it.
+  const bool scale_input = c.lm_head_input_scale != 1.0f && !bf16_activations_;
+  if (scale_input) {
     for (int64_t i = 0; i < int64_t{out_rows} * d; ++i) sel[i] *= c.lm_head_input_scale;
   }
   logits->resize(int64_t{out_rows} * c.vocab_size);
   Linear(sel, out_rows, lm_head_, nullptr, logits->data());
+  if (c.lm_head_input_scale != 1.0f && !scale_input) {
+    for (float& v : *logits) v *= c.lm_head_input_scale;
+  }
   return absl::OkStatus();
 }
 
@@ -503,14 +524,14 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double mem
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
                                                        KvCacheConfig kv, int threads, cpu::WeightType weights,
-                                                       cpu::KvType kv_type) {
+                                                       cpu::KvType kv_type, bool bf16_activations) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
   if (kv.block_size < 1 || kv.num_blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache of ", kv.num_blocks, " blocks of ",
                                                    kv.block_size, " tokens; both must be >= 1"));
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  auto backend = std::make_unique<CpuBackend>(std::move(model), kv, threads, weights, kv_type);
+  auto backend = std::make_unique<CpuBackend>(std::move(model), kv, threads, weights, kv_type, bf16_activations);
   if (!backend->pool_ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot map a KV pool of ", kv.num_blocks, " blocks of ",
                                                      kv.block_size, " tokens; give a smaller --kv_cache_tokens"));

@@ -26,10 +26,14 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& config, int64_t tokens, doubl
 
 // Allocates the KV pool of `kv` (num_blocks >= 1). `threads` 0 uses every hardware thread.
 // `weights` is how the dense layers' weights (and the LM head) are stored, `kv_type` the K/V
-// cache's elements; outputs are batch invariant within each combination.
+// cache's elements; outputs are batch invariant within each combination. `bf16_activations`: every
+// projection's input rounded to bf16 (nearest even) first, the lm_head input scale applied to the
+// product: the arithmetic of the CUDA backend's tensor cores (with bf16 weights every product is
+// exact in float32, so only the order of the float32 sums differs).
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
                                                        KvCacheConfig kv, int threads = 0,
                                                        cpu::WeightType weights = cpu::WeightType::kF32,
-                                                       cpu::KvType kv_type = cpu::KvType::kF32);
+                                                       cpu::KvType kv_type = cpu::KvType::kF32,
+                                                       bool bf16_activations = false);
 
 }  // namespace relgen
