@@ -49,18 +49,20 @@ ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400",
 ABSL_FLAG(std::string, device, "auto", "auto (CUDA when a GPU is present), cpu, cuda or cuda:N");
 ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
 ABSL_FLAG(std::string, weights_dtype, "auto",
-          "how the backend stores the dense layers' weights: auto (bf16 for a bf16 checkpoint, else f32), f32, bf16 "
+          "how the backend stores the dense layers' weights: auto (on a GPU bf16; on the CPU bf16 for a bf16 checkpoint, "
+          "else f32), f32, bf16 "
           "(half the bytes) or, on the CPU, int8 (a quarter; per-output-channel scales); arithmetic stays float32. "
           "docs/benchmarks.md gives each one's accuracy");
 ABSL_FLAG(std::string, kv_cache_dtype, "auto",
-          "how the K/V cache is stored (CPU and CUDA): auto (bf16 for a bf16 checkpoint, else f32), f32, or bf16 "
+          "how the K/V cache is stored (CPU and CUDA): auto (on a GPU bf16; on the CPU bf16 for a bf16 checkpoint, else "
+          "f32), f32, or bf16 "
           "(half the bytes: twice the tokens in the same memory, half the cache read per decode step); arithmetic "
           "stays float32");
-ABSL_FLAG(std::string, cuda_gemm, "invariant",
-          "the CUDA backend's projections: invariant (relgen's kernel: a row's bits never depend on the rows "
-          "batched with it; bias, activation and residual in the same launch) or cublas (cuBLAS SGEMM: faster "
-          "long prefills, rows may change with the batch) or mma (tensor cores over bf16 weights, activations rounded "
-          "to bf16, rows batch invariant; implies --weights_dtype bf16)");
+ABSL_FLAG(std::string, cuda_gemm, "auto",
+          "the CUDA backend's projections: auto (mma with bf16 weights, else invariant), invariant (relgen's float32 "
+          "kernel: a row's bits never depend on the rows batched with it; bias, activation and residual in the same "
+          "launch), cublas (cuBLAS SGEMM: faster long prefills, rows may change with the batch) or mma (tensor cores "
+          "over bf16 weights, activations rounded to bf16, rows batch invariant)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_encoder_tokens, 2048,
@@ -328,7 +330,11 @@ int Main(int argc, char** argv) {
   const KvCacheConfig kv = (*backend)->kv_cache();
   const std::string device_name = (*backend)->device();
   const int64_t kv_bytes = (*backend)->memory().kv_cache;
-  const std::string weights_dtype = (*backend)->weights_dtype(), kv_dtype = (*backend)->kv_cache_dtype();
+  std::string weights_dtype = (*backend)->weights_dtype();
+  const std::string kv_dtype = (*backend)->kv_cache_dtype();
+  if (auto chosen = ResolveDeviceOptions(**model, dev); chosen.ok() && chosen->device == "cuda") {
+    weights_dtype += " (" + chosen->cuda_gemm + " projections)";
+  }
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;

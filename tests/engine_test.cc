@@ -644,7 +644,7 @@ TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
   for (const auto& [field, name, message] :
        {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed auto, f32, bf16, int8"},
         std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed auto, f32, bf16"},
-        std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed invariant, cublas"}}) {
+        std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed auto, invariant, cublas, mma"}}) {
     DeviceOptions o;
     o.device = "cpu";
     o.kv_cache_tokens = 1024;
@@ -652,6 +652,53 @@ TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
     const auto refused = NewBackend(model, o);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << name;
     EXPECT_THAT(refused.status().message(), HasSubstr(message));
+  }
+}
+
+// What `auto` picks per device and checkpoint (the device named, so no GPU is needed to ask).
+TEST(DeviceOptionsTest, AutoPicksPerDeviceAndCheckpoint) {
+  auto f32_model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  ASSERT_EQ(f32_model->file_dtype(), DType::kF32);
+  struct Case {
+    std::string device, weights, kv, gemm;        // asked
+    std::string want_weights, want_kv, want_gemm;  // chosen
+  };
+  for (const Case& k : std::vector<Case>{
+           {"cuda", "auto", "auto", "auto", "bf16", "bf16", "mma"},
+           {"cuda:0", "auto", "auto", "auto", "bf16", "bf16", "mma"},
+           {"cuda", "f32", "auto", "auto", "f32", "bf16", "invariant"},
+           {"cuda", "auto", "f32", "invariant", "f32", "f32", "invariant"},
+           {"cuda", "auto", "auto", "cublas", "f32", "bf16", "cublas"},
+           {"cuda", "auto", "auto", "mma", "bf16", "bf16", "mma"},
+           {"cpu", "auto", "auto", "auto", "f32", "f32", "invariant"},
+           {"cpu", "bf16", "auto", "auto", "bf16", "f32", "mma"},
+       }) {
+    DeviceOptions o;
+    o.device = k.device;
+    o.weights_dtype = k.weights;
+    o.kv_cache_dtype = k.kv;
+    o.cuda_gemm = k.gemm;
+    const std::string what = k.device + " " + k.weights + " " + k.kv + " " + k.gemm;
+    auto got = ResolveDeviceOptions(*f32_model, o);
+    ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+    EXPECT_EQ(got->device, k.device.substr(0, 4) == "cuda" ? "cuda" : k.device) << what;
+    EXPECT_EQ(got->weights_dtype, k.want_weights) << what;
+    EXPECT_EQ(got->kv_cache_dtype, k.want_kv) << what;
+    EXPECT_EQ(got->cuda_gemm, k.want_gemm) << what;
+  }
+  // A bf16 checkpoint: bf16 on both devices; cuBLAS's float32 projections widen it.
+  auto bf16_model = *Model::Load(testing::GoldenDir() + "/shaw_values_long_range");
+  ASSERT_EQ(bf16_model->file_dtype(), DType::kBF16);
+  for (const auto& [device, gemm, weights, kv] :
+       {std::tuple{"cpu", "auto", "bf16", "bf16"}, std::tuple{"cuda", "auto", "bf16", "bf16"},
+        std::tuple{"cuda", "invariant", "bf16", "bf16"}, std::tuple{"cuda", "cublas", "f32", "bf16"}}) {
+    DeviceOptions o;
+    o.device = device;
+    o.cuda_gemm = gemm;
+    auto got = ResolveDeviceOptions(*bf16_model, o);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->weights_dtype, weights) << device << " " << gemm;
+    EXPECT_EQ(got->kv_cache_dtype, kv) << device << " " << gemm;
   }
 }
 

@@ -12,47 +12,70 @@
 
 namespace relgen {
 
-std::string AutoWeightsDtype(const Model& model, const std::string& cuda_gemm) {
-  // bf16 weights compute exactly what a bf16 checkpoint stores, in half the bytes of float32, on
-  // both devices (cuBLAS's projections take float32 only). float16 is widened: relgen has no float16
-  // kernel, and bf16 would lose three of its mantissa bits.
-  if (cuda_gemm == "mma") return "bf16";  // tensor cores multiply bf16
-  return model.file_dtype() == DType::kBF16 && cuda_gemm != "cublas" ? "bf16" : "f32";
-}
-
-std::string AutoKvDtype(const Model& model) { return model.file_dtype() == DType::kBF16 ? "bf16" : "f32"; }
-
-absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& o) {
-  const ModelConfig& c = model->config();
-  std::string device = o.device;
+absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOptions o, int* cuda_index) {
   int index = 0;
-  if (device.rfind("cuda:", 0) == 0) {
-    if (!absl::SimpleAtoi(device.substr(5), &index) || index < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--device ", device, ": expected cuda:N"));
+  if (o.device.rfind("cuda:", 0) == 0) {
+    if (!absl::SimpleAtoi(o.device.substr(5), &index) || index < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--device ", o.device, ": expected cuda:N"));
     }
-    device = "cuda";
+    o.device = "cuda";
   }
-  if (device != "auto" && device != "cpu" && device != "cuda") {
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat("--device ", o.device, ": allowed auto, cpu, cuda, cuda:N"));
   }
+  if (o.device == "auto") {
+#if RELGEN_WITH_CUDA
+    o.device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
+#else
+    o.device = "cpu";
+#endif
+  }
+  if (cuda_index != nullptr) *cuda_index = index;
+  if (o.cuda_gemm != "auto" && o.cuda_gemm != "invariant" && o.cuda_gemm != "cublas" && o.cuda_gemm != "mma") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_gemm ", o.cuda_gemm, ": allowed auto, invariant, cublas, mma"));
+  }
+  const bool bf16_file = model.file_dtype() == DType::kBF16;
+  const bool gpu = o.device == "cuda";
+  if (o.weights_dtype == "auto") {
+    // A GPU multiplies on tensor cores, which take bf16 (a float16 checkpoint is narrowed: its range
+    // kept, three mantissa bits lost, about what rounding the activations costs). cuBLAS's and
+    // relgen's float32 projections keep a float32 or float16 checkpoint in float32; the CPU computes
+    // a bf16 checkpoint from bf16 weights and any other in float32.
+    const bool tensor_cores = gpu && (o.cuda_gemm == "auto" || o.cuda_gemm == "mma");
+    o.weights_dtype = tensor_cores || (bf16_file && o.cuda_gemm != "cublas") ? "bf16" : "f32";
+  }
+  if (o.cuda_gemm == "auto") o.cuda_gemm = o.weights_dtype == "bf16" ? "mma" : "invariant";
   cpu::WeightType weights;
-  const std::string weights_dtype = o.weights_dtype == "auto" ? AutoWeightsDtype(*model, o.cuda_gemm) : o.weights_dtype;
-  if (!cpu::ParseWeightType(weights_dtype, &weights)) {
+  if (!cpu::ParseWeightType(o.weights_dtype, &weights)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed auto, f32, bf16, int8"));
   }
-  if (o.cuda_gemm != "invariant" && o.cuda_gemm != "cublas" && o.cuda_gemm != "mma") {
-    return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm ", o.cuda_gemm, ": allowed invariant, cublas, mma"));
-  }
+  // A GPU's decode reads the whole cache each step: bf16 halves it. The CPU keeps a checkpoint's
+  // precision unless asked.
+  if (o.kv_cache_dtype == "auto") o.kv_cache_dtype = gpu || bf16_file ? "bf16" : "f32";
   cpu::KvType kv_type;
-  if (!cpu::ParseKvType(o.kv_cache_dtype == "auto" ? AutoKvDtype(*model) : o.kv_cache_dtype, &kv_type)) {
+  if (!cpu::ParseKvType(o.kv_cache_dtype, &kv_type)) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype ", o.kv_cache_dtype, ": allowed auto, f32, bf16"));
   }
+  return o;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& options) {
+  const ModelConfig& c = model->config();
+  int index = 0;
+  auto resolved = ResolveDeviceOptions(*model, options, &index);
+  if (!resolved.ok()) return resolved.status();
+  const DeviceOptions& o = *resolved;
+  const std::string& device = o.device;
+  cpu::WeightType weights;
+  cpu::KvType kv_type;
+  cpu::ParseWeightType(o.weights_dtype, &weights);
+  cpu::ParseKvType(o.kv_cache_dtype, &kv_type);
 #if RELGEN_WITH_CUDA
-  if (device == "auto") device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
   if (device == "cuda") {
     if (index >= CudaDeviceCount()) {
-      return absl::UnavailableError(absl::StrCat("--device ", o.device, ": ", CudaDeviceCount(),
+      return absl::UnavailableError(absl::StrCat("--device ", options.device, ": ", CudaDeviceCount(),
                                                  " CUDA devices are present; use --device cpu or auto"));
     }
     CudaOptions co;

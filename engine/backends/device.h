@@ -21,12 +21,13 @@ struct DeviceOptions {
   double kv_cache_memory_fraction = 0;
   int kv_block_size = 16;
   int threads = 0;  // CPU threads
-  // Dense weights: f32, bf16, on the CPU int8, or auto (AutoWeightsDtype).
+  // Dense weights: f32, bf16, on the CPU int8, or auto (ResolveDeviceOptions).
   std::string weights_dtype = "auto";
-  std::string kv_cache_dtype = "auto";  // K/V cache elements: f32, bf16 or auto (AutoKvDtype)
-  // CUDA projections: "invariant" (relgen's kernel, rows batch invariant) or "cublas"
-  // (CudaOptions::cublas_gemms).
-  std::string cuda_gemm = "invariant";
+  std::string kv_cache_dtype = "auto";  // K/V cache elements: f32, bf16 or auto (ResolveDeviceOptions)
+  // CUDA projections: "invariant" (relgen's float32 kernel, rows batch invariant), "cublas"
+  // (CudaOptions::cublas_gemms), "mma" (tensor cores over bf16 weights, CudaOptions::tensor_cores),
+  // or auto: mma with bf16 weights, else invariant.
+  std::string cuda_gemm = "auto";
   int cuda_split_keys = 128;  // CudaOptions::attention_split_keys
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): a device
   // backend allocates its buffers at start.
@@ -35,11 +36,13 @@ struct DeviceOptions {
   int max_step_encoder_tokens = 2048;  // --max_encoder_tokens
 };
 
-// The defaults per checkpoint: a bf16 checkpoint computes from bf16 weights (unless the CUDA
-// projections are cuBLAS's, which take float32) and keeps bf16 K/V; float32 and float16
-// checkpoints compute in float32 with float32 K/V, so no default loses the checkpoint's precision.
-std::string AutoWeightsDtype(const Model& model, const std::string& cuda_gemm);
-std::string AutoKvDtype(const Model& model);
+// `o` with every choice made: the device (auto: CUDA when a GPU is present), its index in
+// `cuda_index`, and the storage and projections that `auto` picks for it. On a GPU: bf16 weights
+// on tensor cores and a bf16 cache (explicit f32 weights keep relgen's float32 kernel, and
+// --cuda_gemm cublas float32 weights). On the CPU: a bf16 checkpoint computes from bf16 weights
+// with bf16 K/V, any other in float32, so no CPU default loses the checkpoint's precision.
+// INVALID_ARGUMENT names an unknown value and the allowed ones.
+absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOptions o, int* cuda_index = nullptr);
 
 absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model> model, const DeviceOptions& options);
 

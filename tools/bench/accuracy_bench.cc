@@ -61,14 +61,15 @@ struct Run {
 };
 
 struct Precision {
-  cpu::WeightType weights;
+  AccuracyWeights weights;
   cpu::KvType kv;
-  std::string Name() const { return std::string(cpu::WeightTypeName(weights)) + " / " + cpu::KvTypeName(kv); }
+  std::string WeightsName() const { return weights.mma ? "mma" : cpu::WeightTypeName(weights.type); }
+  std::string Name() const { return WeightsName() + " / " + cpu::KvTypeName(kv); }
 };
 
 Run Make(const std::shared_ptr<const Model>& model, Precision p, int tokens, int threads) {
   const int bs = 16, blocks = (tokens + bs - 1) / bs;
-  Run r{*NewCpuBackend(model, KvCacheConfig{bs, blocks}, threads, p.weights, p.kv), {}};
+  Run r{*NewCpuBackend(model, KvCacheConfig{bs, blocks}, threads, p.weights.type, p.kv, p.weights.mma), {}};
   for (int i = 0; i < blocks; ++i) r.table.push_back(i);
   return r;
 }
@@ -106,6 +107,15 @@ double LogSoftmaxAt(const float* x, int n, int target) {
 
 }  // namespace
 
+bool ParseAccuracyWeights(const std::string& name, AccuracyWeights* w) {
+  if (name == "mma") {
+    *w = {cpu::WeightType::kBf16, true};
+    return true;
+  }
+  *w = {};
+  return cpu::ParseWeightType(name, &w->type);
+}
+
 int RunAccuracyBench(const AccuracyOptions& o) {
   auto loaded = Model::Load(o.model);
   if (!loaded.ok()) {
@@ -136,10 +146,10 @@ int RunAccuracyBench(const AccuracyOptions& o) {
   std::printf("model %s; held-out fortunes: %zu tokens, %d windows of %d scored\n", o.model.c_str(), held.size(),
               windows, o.window);
 
-  std::vector<Precision> kinds = {{cpu::WeightType::kF32, cpu::KvType::kF32}};
-  for (cpu::WeightType w : o.weights) {
+  std::vector<Precision> kinds = {{{cpu::WeightType::kF32}, cpu::KvType::kF32}};
+  for (const AccuracyWeights& w : o.weights) {
     for (cpu::KvType kv : o.kv_types) {
-      if (w != cpu::WeightType::kF32 || kv != cpu::KvType::kF32) kinds.push_back({w, kv});
+      if (w.type != cpu::WeightType::kF32 || kv != cpu::KvType::kF32) kinds.push_back({w, kv});
     }
   }
   std::vector<Run> runs;
@@ -206,7 +216,7 @@ int RunAccuracyBench(const AccuracyOptions& o) {
                 (std::to_string(int64_t(top1[i])) + " of " + std::to_string(int64_t(scored))).c_str(),
                 first == o.greedy_tokens ? "none" : ("token " + std::to_string(first)).c_str(), agree,
                 o.greedy_tokens);
-    rows.push_back({{"weights", cpu::WeightTypeName(kinds[i].weights)}, {"kv_cache", cpu::KvTypeName(kinds[i].kv)}, {"bits_per_byte", bpb}, {"max_abs_logit_error", max_err[i]},
+    rows.push_back({{"weights", kinds[i].WeightsName()}, {"kv_cache", cpu::KvTypeName(kinds[i].kv)}, {"bits_per_byte", bpb}, {"max_abs_logit_error", max_err[i]},
                     {"max_logit_error_of_range", max_rel[i]}, {"held_out_top1_agreement", top1[i] / scored},
                     {"greedy_first_divergence", first == o.greedy_tokens ? json(nullptr) : json(first)},
                     {"greedy_teacher_forced_agreement", agree}, {"greedy_tokens", o.greedy_tokens}});

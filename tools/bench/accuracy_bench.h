@@ -1,5 +1,5 @@
-// relgen-bench accuracy: what storing the dense weights in bf16 or int8, and the K/V cache in bf16,
-// costs against float32 on the same model: logit error, greedy agreement, and bits per byte on
+// relgen-bench accuracy: what storing the dense weights in bf16 or int8 (or multiplying them on
+// tensor cores), and the K/V cache in bf16, costs against float32 on the same model: logit error, greedy agreement, and bits per byte on
 // held-out fortunes.
 #pragma once
 
@@ -11,10 +11,19 @@
 
 namespace relgen::bench {
 
+// How the projections multiply: the weights' storage, and with `mma` bf16 weights times activations
+// rounded to bf16 (the CUDA backend's tensor cores, --cuda_gemm mma), computed on the CPU twin.
+struct AccuracyWeights {
+  cpu::WeightType type = cpu::WeightType::kF32;
+  bool mma = false;
+};
+bool ParseAccuracyWeights(const std::string& name, AccuracyWeights* w);  // f32, bf16, int8 or mma
+
 struct AccuracyOptions {
   std::string model;
   // Every combination of these is compared with f32 weights and an f32 cache.
-  std::vector<cpu::WeightType> weights = {cpu::WeightType::kF32, cpu::WeightType::kBf16, cpu::WeightType::kInt8};
+  std::vector<AccuracyWeights> weights = {
+      {cpu::WeightType::kF32}, {cpu::WeightType::kBf16}, {cpu::WeightType::kBf16, true}, {cpu::WeightType::kInt8}};
   std::vector<cpu::KvType> kv_types = {cpu::KvType::kF32, cpu::KvType::kBf16};
   std::string fortunes = "/usr/share/games/fortunes";  // held out: every 20th fortune, as tools/train.py
   int window = 256;      // tokens per held-out window (as tools/train.py scores them)

@@ -42,7 +42,7 @@ int Usage() {
                "                          [--shared_prefix_len 0]   (tokens every synthetic prompt starts with)\n"
                "                          [--temperature 0.8] [--top_p 1] [--top_k 0]   (each request's sampling)\n"
                "                          [--json FILE] [--png FILE]\n"
-               "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,int8] [--kv_cache_dtype f32,bf16]\n"
+               "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,mma,int8] [--kv_cache_dtype f32,bf16]\n"
                "                             [--fortunes DIR] [--window 256]\n"
                "                             [--max_windows 0] [--greedy_tokens 1000] [--threads 0] [--json FILE]\n");
   return 64;
@@ -153,8 +153,8 @@ int main(int argc, char** argv) {
       else if (f == "--weights_dtype") {
         o.weights.clear();
         for (absl::string_view part : absl::StrSplit(v, ',')) {
-          relgen::cpu::WeightType t;
-          ok = ok && relgen::cpu::ParseWeightType(std::string(part), &t);
+          relgen::bench::AccuracyWeights t;
+          ok = ok && relgen::bench::ParseAccuracyWeights(std::string(part), &t);
           o.weights.push_back(t);
         }
       } else if (f == "--kv_cache_dtype") {
