@@ -59,7 +59,7 @@ ABSL_FLAG(std::string, kv_cache_dtype, "auto",
           "(half the bytes: twice the tokens in the same memory, half the cache read per decode step); arithmetic "
           "stays float32");
 ABSL_FLAG(std::string, cuda_gemm, "auto",
-          "the CUDA backend's projections: auto (mma with bf16 weights, else invariant), invariant (relgen's float32 "
+          "the CUDA backend's projections: auto (invariant, until a GPU has timed mma), invariant (relgen's float32 "
           "kernel: a row's bits never depend on the rows batched with it; bias, activation and residual in the same "
           "launch), cublas (cuBLAS SGEMM: faster long prefills, rows may change with the batch) or mma (tensor cores "
           "over bf16 weights, activations rounded to bf16, rows batch invariant)");

@@ -664,14 +664,14 @@ TEST(DeviceOptionsTest, AutoPicksPerDeviceAndCheckpoint) {
     std::string want_weights, want_kv, want_gemm;  // chosen
   };
   for (const Case& k : std::vector<Case>{
-           {"cuda", "auto", "auto", "auto", "bf16", "bf16", "mma"},
-           {"cuda:0", "auto", "auto", "auto", "bf16", "bf16", "mma"},
+           {"cuda", "auto", "auto", "auto", "bf16", "bf16", "invariant"},
+           {"cuda:0", "auto", "auto", "auto", "bf16", "bf16", "invariant"},
            {"cuda", "f32", "auto", "auto", "f32", "bf16", "invariant"},
-           {"cuda", "auto", "f32", "invariant", "f32", "f32", "invariant"},
+           {"cuda", "auto", "f32", "invariant", "bf16", "f32", "invariant"},
            {"cuda", "auto", "auto", "cublas", "f32", "bf16", "cublas"},
            {"cuda", "auto", "auto", "mma", "bf16", "bf16", "mma"},
            {"cpu", "auto", "auto", "auto", "f32", "f32", "invariant"},
-           {"cpu", "bf16", "auto", "auto", "bf16", "f32", "mma"},
+           {"cpu", "bf16", "auto", "auto", "bf16", "f32", "invariant"},
        }) {
     DeviceOptions o;
     o.device = k.device;
@@ -691,7 +691,7 @@ TEST(DeviceOptionsTest, AutoPicksPerDeviceAndCheckpoint) {
   ASSERT_EQ(bf16_model->file_dtype(), DType::kBF16);
   for (const auto& [device, gemm, weights, kv] :
        {std::tuple{"cpu", "auto", "bf16", "bf16"}, std::tuple{"cuda", "auto", "bf16", "bf16"},
-        std::tuple{"cuda", "invariant", "bf16", "bf16"}, std::tuple{"cuda", "cublas", "f32", "bf16"}}) {
+        std::tuple{"cuda", "mma", "bf16", "bf16"}, std::tuple{"cuda", "cublas", "f32", "bf16"}}) {
     DeviceOptions o;
     o.device = device;
     o.cuda_gemm = gemm;

@@ -38,14 +38,16 @@ absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOpt
   const bool bf16_file = model.file_dtype() == DType::kBF16;
   const bool gpu = o.device == "cuda";
   if (o.weights_dtype == "auto") {
-    // A GPU multiplies on tensor cores, which take bf16 (a float16 checkpoint is narrowed: its range
-    // kept, three mantissa bits lost, about what rounding the activations costs). cuBLAS's and
-    // relgen's float32 projections keep a float32 or float16 checkpoint in float32; the CPU computes
-    // a bf16 checkpoint from bf16 weights and any other in float32.
-    const bool tensor_cores = gpu && (o.cuda_gemm == "auto" || o.cuda_gemm == "mma");
-    o.weights_dtype = tensor_cores || (bf16_file && o.cuda_gemm != "cublas") ? "bf16" : "f32";
+    // A GPU's decode streams the weights: bf16 halves the bytes (a float16 checkpoint is narrowed,
+    // its range kept and three mantissa bits lost). cuBLAS's projections take float32 only. The CPU
+    // computes a bf16 checkpoint from bf16 weights and any other in float32.
+    const bool narrow = gpu ? o.cuda_gemm != "cublas" : bf16_file;
+    o.weights_dtype = narrow ? "bf16" : "f32";
   }
-  if (o.cuda_gemm == "auto") o.cuda_gemm = o.weights_dtype == "bf16" ? "mma" : "invariant";
+  // relgen's projection kernel, measured at 62% of the floor for mpt-7b at batch 1 with bf16
+  // weights; the tensor cores' kernel stays opt-in until a GPU has timed it (docs/gpu-performance.md
+  // predicts it slower at batch 1, faster from about 16 rows).
+  if (o.cuda_gemm == "auto") o.cuda_gemm = "invariant";
   cpu::WeightType weights;
   if (!cpu::ParseWeightType(o.weights_dtype, &weights)) {
     return absl::InvalidArgumentError(

@@ -24,9 +24,9 @@ struct DeviceOptions {
   // Dense weights: f32, bf16, on the CPU int8, or auto (ResolveDeviceOptions).
   std::string weights_dtype = "auto";
   std::string kv_cache_dtype = "auto";  // K/V cache elements: f32, bf16 or auto (ResolveDeviceOptions)
-  // CUDA projections: "invariant" (relgen's float32 kernel, rows batch invariant), "cublas"
-  // (CudaOptions::cublas_gemms), "mma" (tensor cores over bf16 weights, CudaOptions::tensor_cores),
-  // or auto: mma with bf16 weights, else invariant.
+  // CUDA projections: "invariant" (relgen's kernel, float32 arithmetic, rows batch invariant),
+  // "cublas" (CudaOptions::cublas_gemms), "mma" (tensor cores over bf16 weights,
+  // CudaOptions::tensor_cores), or auto (invariant until the tensor cores' kernel is timed).
   std::string cuda_gemm = "auto";
   int cuda_split_keys = 128;  // CudaOptions::attention_split_keys
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): a device
@@ -38,9 +38,9 @@ struct DeviceOptions {
 
 // `o` with every choice made: the device (auto: CUDA when a GPU is present), its index in
 // `cuda_index`, and the storage and projections that `auto` picks for it. On a GPU: bf16 weights
-// on tensor cores and a bf16 cache (explicit f32 weights keep relgen's float32 kernel, and
-// --cuda_gemm cublas float32 weights). On the CPU: a bf16 checkpoint computes from bf16 weights
-// with bf16 K/V, any other in float32, so no CPU default loses the checkpoint's precision.
+// (float32 with --cuda_gemm cublas) and a bf16 cache, relgen's projection kernel. On the CPU: a bf16
+// checkpoint computes from bf16 weights with bf16 K/V, any other in float32, so no CPU default loses
+// the checkpoint's precision.
 // INVALID_ARGUMENT names an unknown value and the allowed ones.
 absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOptions o, int* cuda_index = nullptr);
 

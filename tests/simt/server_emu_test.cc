@@ -50,8 +50,8 @@ std::string Health(const testing::ServerProcess& p) {
 const std::string kServing("\x08\x01", 2), kNotServing("\x08\x02", 2);
 
 // Greedy generations through the emulated device equal the CPU server's, batched or not.
-// (float32 weights and cache on both: a GPU's defaults are bf16 on tensor cores, which the next test
-// checks are taken.)
+// (float32 weights and cache on both: a GPU's defaults are bf16, which the next test checks are
+// taken.)
 TEST(EmulatedServerTest, ServesWhatTheCpuServerServes) {
   auto emu = StartBinary(EmuBinary(), Args("cuda", {"--weights_dtype", "f32", "--kv_cache_dtype", "f32"}));
   ASSERT_THAT(emu->startup_output(), HasSubstr("f32 (invariant projections) weights) on simt-emulator:0"));
@@ -82,10 +82,10 @@ TEST(EmulatedServerTest, ServesWhatTheCpuServerServes) {
   EXPECT_EQ(emu->Wait(), 0);
 }
 
-// A GPU's defaults: bf16 weights on tensor cores and a bf16 cache, said at startup, and serving.
-TEST(EmulatedServerTest, DefaultsToBf16OnTensorCores) {
+// A GPU's defaults: bf16 weights and a bf16 cache, said at startup, and serving.
+TEST(EmulatedServerTest, DefaultsToBf16) {
   auto emu = StartBinary(EmuBinary(), Args("cuda"));
-  EXPECT_THAT(emu->startup_output(), HasSubstr("bf16 (mma projections) weights) on simt-emulator:0"));
+  EXPECT_THAT(emu->startup_output(), HasSubstr("bf16 (invariant projections) weights) on simt-emulator:0"));
   EXPECT_THAT(emu->startup_output(), HasSubstr(" tokens (bf16, "));
   std::vector<int32_t> prompt = {5, 17, 29, 41, 53, 65, 77};
   v1::GenerateRequest r = TokenRequest(prompt, 4);
