@@ -957,6 +957,8 @@ std::vector<float> ExpectFusedEqualsThreeLaunches(LinearFn linear, const float* 
               cudaSuccess);
     EXPECT_EQ(cudaMemcpy(one.data(), dy1, one.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(std::memcmp(one.data(), three.data() + z * ystride, one.size() * sizeof(float)), 0) << "product " << z;
+    EXPECT_TRUE(std::all_of(one.begin(), one.end(), [](float v) { return std::isfinite(v); }))
+        << "product " << z << " read past its inputs";
     EXPECT_TRUE(std::isnan(three[z * ystride + size_t(rows) * out])) << "product " << z << " wrote past its rows";
   }
   cudaFree(dy1);
@@ -1078,7 +1080,9 @@ TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
   std::normal_distribution<float> nd;
   const int rows = OnThreads() ? 40 : 260, out = 37;  // 9 blocks of 32 rows (the last of 4), 2 of outputs
   auto bf16 = [](float f) { return static_cast<float>(testing::Bf16Value(f)); };
-  for (const int in : OnThreads() ? std::vector<int>{40} : std::vector<int>{64, 200, 7, 48}) {
+  // Widths: whole 64-deep stages (64), whole ones then a part (200, 120: 56 left, 8 short of a
+  // stage), less than one (7, 48).
+  for (const int in : OnThreads() ? std::vector<int>{40} : std::vector<int>{64, 200, 7, 48, 120}) {
     SCOPED_TRACE("in " + std::to_string(in));
     std::vector<float> x(size_t(rows) * in), w(size_t(3) * out * in), bias(3 * out), y0(size_t(rows) * out);
     for (auto* v : {&x, &w, &bias, &y0}) {
@@ -1089,8 +1093,14 @@ TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
       w16[i] = cpu::ToBf16(w[i]);
       w[i] = bf16(w[i]);  // the weights as stored
     }
-    float *dx = Upload(x), *db = Upload(bias);
-    uint16_t* dw = Upload(w16);
+    // A row of NaN past x and past the weights: a read beyond `in` (the other operand's zero times
+    // NaN) turns an output NaN.
+    std::vector<float> x_guarded = x;
+    x_guarded.resize(x.size() + in, NAN);
+    std::vector<uint16_t> w_guarded = w16;
+    w_guarded.resize(w16.size() + in, cpu::ToBf16(NAN));
+    float *dx = Upload(x_guarded), *db = Upload(bias);
+    uint16_t* dw = Upload(w_guarded);
     struct Epilogue {
       const float* bias;
       int act;

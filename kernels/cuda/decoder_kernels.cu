@@ -226,12 +226,15 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
 }
 
 // Tensor cores, bf16 weights: a block of kMmaWarps warps computes 32 rows x 32 outputs, a 16 x 16
-// tile per warp. For each 16 of k in turn, the block rounds its 32 rows of x to bf16 and stages
-// them with the 32 weight rows in shared memory (zeros past rows, out and in), and each warp adds
-// one m16n16k16 product to its float accumulator. An output's sum is the same chain of products
-// whichever rows share its tile, and the k order is fixed: rows are batch invariant.
+// tile per warp. For each kMmaK of k in turn, the block rounds its 32 rows of x to bf16 and stages
+// them with the 32 weight rows in shared memory (zeros past rows, out and in: 16-byte loads where
+// the rows allow), and each warp adds kMmaK / 16 m16n16k16 products to its float accumulator, k
+// ascending. An output's sum is the same chain of products whichever rows share its tile and
+// however deep a stage is, and the k order is fixed: rows are batch invariant. A deep stage keeps
+// more of the weights in flight per block, which a small grid (a decode step's few rows) needs.
 constexpr int kMmaWarps = 4;
-constexpr int kMmaLd = 24;  // staged row pitch in bf16: a multiple of 8, rows 16-byte aligned
+constexpr int kMmaK = 64;             // k staged per round
+constexpr int kMmaLd = kMmaK + 8;     // staged row pitch in bf16: a multiple of 8, rows 16-byte aligned
 __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x, int rows, int in, const uint16_t* w,
                                                                   int out, const float* bias, int act, bool residual,
                                                                   float alpha, float* y, int64_t w_stride,
@@ -247,22 +250,55 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
   y += blockIdx.z * y_stride;
   if (bias != nullptr) bias += blockIdx.z * bias_stride;
   const int r0 = blockIdx.y * 32, o0 = blockIdx.x * 32;
+  // 16-byte pieces: 8 weights, or 4 of x, when every row starts on 16 bytes.
+  const bool w_vec = in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0;
+  const bool x_vec = in % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
   wmma::fill_fragment(acc, 0.f);
-  for (int k0 = 0; k0 < in; k0 += 16) {
-    for (int e = threadIdx.x; e < 32 * 16; e += 32 * kMmaWarps) {
-      const int r = e >> 4, k = e & 15;
-      const bool live_k = k0 + k < in;
-      xs[r * kMmaLd + k] = __float2bfloat16_rn(r0 + r < rows && live_k ? x[int64_t{r0 + r} * in + k0 + k] : 0.f);
-      ws[r * kMmaLd + k] =
-          __ushort_as_bfloat16(o0 + r < out && live_k ? w[int64_t{o0 + r} * in + k0 + k] : static_cast<uint16_t>(0));
+  for (int k0 = 0; k0 < in; k0 += kMmaK) {
+    const bool whole_k = k0 + kMmaK <= in;
+    if (w_vec && whole_k) {
+      for (int e = threadIdx.x; e < 32 * kMmaK / 8; e += 32 * kMmaWarps) {
+        const int r = e / (kMmaK / 8), k = (e % (kMmaK / 8)) * 8;
+        const uint4 v = o0 + r < out ? *reinterpret_cast<const uint4*>(w + int64_t{o0 + r} * in + k0 + k)
+                                     : make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(ws + r * kMmaLd + k) = v;
+      }
+    } else {
+      for (int e = threadIdx.x; e < 32 * kMmaK; e += 32 * kMmaWarps) {
+        const int r = e / kMmaK, k = e % kMmaK;
+        ws[r * kMmaLd + k] = __ushort_as_bfloat16(o0 + r < out && k0 + k < in ? w[int64_t{o0 + r} * in + k0 + k]
+                                                                              : static_cast<uint16_t>(0));
+      }
+    }
+    if (x_vec && whole_k) {
+      for (int e = threadIdx.x; e < 32 * kMmaK / 4; e += 32 * kMmaWarps) {
+        const int r = e / (kMmaK / 4), k = (e % (kMmaK / 4)) * 4;
+        const float4 v = r0 + r < rows ? *reinterpret_cast<const float4*>(x + int64_t{r0 + r} * in + k0 + k)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+        __nv_bfloat16* d = xs + r * kMmaLd + k;
+        d[0] = __float2bfloat16_rn(v.x);
+        d[1] = __float2bfloat16_rn(v.y);
+        d[2] = __float2bfloat16_rn(v.z);
+        d[3] = __float2bfloat16_rn(v.w);
+      }
+    } else {
+      for (int e = threadIdx.x; e < 32 * kMmaK; e += 32 * kMmaWarps) {
+        const int r = e / kMmaK, k = e % kMmaK;
+        xs[r * kMmaLd + k] =
+            __float2bfloat16_rn(r0 + r < rows && k0 + k < in ? x[int64_t{r0 + r} * in + k0 + k] : 0.f);
+      }
     }
     __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-    wmma::load_matrix_sync(a, xs + 16 * wm * kMmaLd, kMmaLd);
-    wmma::load_matrix_sync(b, ws + 16 * wn * kMmaLd, kMmaLd);
-    wmma::mma_sync(acc, a, b, acc);
+    // Steps wholly past `in` add zeros; they are skipped, the same in every tile.
+    const int steps = min(kMmaK, in - k0 + 15) / 16;
+    for (int t = 0; t < steps; ++t) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+      wmma::load_matrix_sync(a, xs + 16 * wm * kMmaLd + 16 * t, kMmaLd);
+      wmma::load_matrix_sync(b, ws + 16 * wn * kMmaLd + 16 * t, kMmaLd);
+      wmma::mma_sync(acc, a, b, acc);
+    }
     __syncthreads();
   }
   wmma::store_matrix_sync(cs[warp], acc, 16, wmma::mem_row_major);

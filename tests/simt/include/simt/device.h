@@ -43,6 +43,7 @@ struct alignas(8) uint2 {
 struct alignas(16) uint4 {
   unsigned int x, y, z, w;
 };
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
 struct dim3 {
   unsigned int x = 1, y = 1, z = 1;
   constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
