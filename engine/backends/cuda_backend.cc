@@ -360,8 +360,23 @@ class CudaBackend final : public Backend {
             {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&qkv_, 3 * s.tokens * w},
             {&att_, s.tokens * w}, {&up_, s.tokens * f},
             {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
-            {&work_, cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim, s.max_keys,
-                                              options_.attention_split_keys)}};
+            {&work_, std::max(cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim,
+                                                       s.max_keys, options_.attention_split_keys),
+                              MmaWorkspace(s))}};
+  }
+  // The tensor cores' ranges of k for the largest step (attention and projections take turns with
+  // the one workspace: stream order).
+  int64_t MmaWorkspace(const StepShape& s) const {
+    if (!options_.tensor_cores) return 0;
+    const ModelConfig& c = model_->config();
+    const int t = static_cast<int>(s.tokens), d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
+    int64_t n = cuda::LinearMmaWorkspace(static_cast<int>(s.kept), d, c.vocab_size, 1);
+    for (int batch = 1; batch <= 3; ++batch) {
+      for (auto [in, out] : {std::pair{d, w}, std::pair{w, d}, std::pair{d, f}, std::pair{f, d}}) {
+        n = std::max(n, cuda::LinearMmaWorkspace(t, in, out, batch));
+      }
+    }
+    return n;
   }
   // The device's sampling area: queries | histories | fed history tokens (pairs) | the histories'
   // raw logits. The answers live in the launch's slot.
@@ -444,7 +459,7 @@ class CudaBackend final : public Backend {
       if constexpr (std::is_same_v<decltype(w), const uint16_t*>) {
         if (options_.tensor_cores) {
           return cuda::LinearMma(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride,
-                                 bias_stride, y_stride);
+                                 bias_stride, y_stride, work_.f());
         }
       }
       return cuda::Linear(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride, bias_stride,
@@ -503,7 +518,9 @@ class CudaBackend final : public Backend {
         if (cache != nullptr) {
           RELGEN_CUDA_RETURN(WithMatrix(p + "attn.q.weight", [&](auto wqkv) {
             if constexpr (std::is_same_v<decltype(wqkv), const uint16_t*>) {
-              if (options_.tensor_cores) return cuda::QkvToCacheMma(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_);
+              if (options_.tensor_cores) {
+                return cuda::QkvToCacheMma(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_, work_.f());
+              }
             }
             return cuda::QkvToCache(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_);
           }));

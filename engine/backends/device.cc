@@ -44,9 +44,9 @@ absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOpt
     const bool narrow = gpu ? o.cuda_gemm != "cublas" : bf16_file;
     o.weights_dtype = narrow ? "bf16" : "f32";
   }
-  // relgen's projection kernel, measured at 62% of the floor for mpt-7b at batch 1 with bf16
-  // weights; the tensor cores' kernel stays opt-in until a GPU has timed it (docs/gpu-performance.md
-  // predicts it slower at batch 1, faster from about 16 rows).
+  // relgen's float32-arithmetic projection kernel, measured at 62% of the floor for mpt-7b at batch
+  // 1 with bf16 weights; the tensor cores' kernel (predicted as fast there and ~5x at batch 64,
+  // docs/gpu-performance.md) stays opt-in until a GPU has timed it.
   if (o.cuda_gemm == "auto") o.cuda_gemm = "invariant";
   cpu::WeightType weights;
   if (!cpu::ParseWeightType(o.weights_dtype, &weights)) {
