@@ -286,10 +286,17 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
     clock_.pending_since_ns.store(0);
     writing_ = false;
     if (!ok) {  // the stream is broken: the client is gone or the call was cancelled
+      // A request still open ends here, its cancelled output pumped and booked (Pump, from the
+      // listener). One already closed (finished, or cancelled before this write broke) has output
+      // no write will carry: the call is booked here, once, with the status it ends with.
       CancelAll();
       if (!finished_) {
         finished_ = true;
-        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed"));
+        const grpc::Status status = DeadlinePassed(ctx_)
+                                        ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed")
+                                        : grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed");
+        service_->Refused(status);
+        Finish(status);
       }
       return;
     }

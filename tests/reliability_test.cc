@@ -123,14 +123,18 @@ TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   const Collected other = Stream(*Stub(*server), TokenRequest({1, 2}, 10));
   EXPECT_TRUE(other.status.ok());
 
+  // The cancelled call is booked as an error too, though its final output was never written: the
+  // write in progress broke (OnWriteDone(false)) before the engine's cancelled output could be.
   auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
     return Metric(m, "relgen_stream_write_timeouts_total") == 1 &&
            Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == 1 &&
+           Metric(m, "relgen_request_errors_total{code=\"CANCELLED\"}") == 1 &&
            Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
   });
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(Metric(m, "relgen_stream_write_timeouts_total"), 1);
   EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_request_errors_total{code=\"CANCELLED\"}"), 1);
   EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
   EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
   // Generation for it stopped: it left the engine (no block held, nothing running) before its end.
@@ -146,6 +150,61 @@ TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   std::printf("never-read stream: cancelled %.1f s after it started (timeout 1 s), %.0f of 1800 tokens generated, %d delivered\n",
               waited, tokens, received);
   // The watchdog is still alive: the server drains and exits promptly.
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(), 0);
+}
+
+// Clients that cancel streams whose writes are stalled (never read): each call is booked once as
+// CANCELLED, the one whose generation had already ended too (its final output never written: the
+// write that broke found its request closed), and every block comes back.
+TEST(FaultTest, CancelledStalledStreamsAreEachBookedOnce) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "16384", "--max_num_seqs", "16",
+                             "--enable_test_hooks"});
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  // Stream 0 ends after 300 tokens, the others run to 1500: admitted together (the engine held
+  // until all have arrived), one token a step each, stream 0 is the only one finished when 400
+  // steps have run.
+  constexpr int kStreams = 9;
+  ASSERT_TRUE(testing::PauseEngine(server->metrics_port()));
+  struct Stalled {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::GenerationService::Stub> stub;
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> reader;
+  };
+  std::vector<std::unique_ptr<Stalled>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    auto s = std::make_unique<Stalled>();
+    s->channel = grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args);
+    s->stub = v1::GenerationService::NewStub(s->channel);
+    s->reader = s->stub->GenerateStream(&s->ctx, TokenRequest({9, 8, static_cast<int32_t>(i)}, i == 0 ? 300 : 1500));
+    streams.push_back(std::move(s));
+  }
+  WaitForMetrics(server->metrics_port(), [](const auto& m) { return Metric(m, "relgen_num_requests_waiting") == kStreams; });
+  ASSERT_TRUE(testing::ResumeEngine(server->metrics_port()));
+  // Every stream's writes stall once its 1 KB window is full, long before 300 tokens.
+  WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_requests_total{finish_reason=\"length\"}") == 1 &&
+           Metric(m, "relgen_generation_tokens_total") >= 300 + (kStreams - 1) * 400;
+  });
+  for (auto& s : streams) s->ctx.TryCancel();
+  auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_request_errors_total{code=\"CANCELLED\"}") >= kStreams &&
+           Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == kStreams - 1 &&
+           Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
+  });
+  EXPECT_EQ(Metric(m, "relgen_request_errors_total{code=\"CANCELLED\"}"), kStreams);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), kStreams - 1);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"length\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  for (auto& s : streams) {
+    v1::GenerateStreamResponse msg;
+    while (s->reader->Read(&msg)) {
+    }
+    EXPECT_EQ(s->reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
   server->Signal(SIGTERM);
   EXPECT_EQ(server->Wait(), 0);
 }

@@ -45,7 +45,7 @@ absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOpt
     o.weights_dtype = narrow ? "bf16" : "f32";
   }
   // relgen's float32-arithmetic projection kernel, measured at 62% of the floor for mpt-7b at batch
-  // 1 with bf16 weights; the tensor cores' kernel (predicted as fast there and ~5x at batch 64,
+  // 1 with bf16 weights; the tensor cores' kernel (predicted as fast there and ~4x at batch 64,
   // docs/gpu-performance.md) stays opt-in until a GPU has timed it.
   if (o.cuda_gemm == "auto") o.cuda_gemm = "invariant";
   cpu::WeightType weights;
