@@ -16,7 +16,7 @@ ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update && apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \
       libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev libabsl-dev \
-      prometheus-cpp-dev libopenblas-dev nlohmann-json3-dev libsentencepiece-dev libgtest-dev libgmock-dev \
+      prometheus-cpp-dev libopenblas-dev nlohmann-json3-dev libsentencepiece-dev libcpp-httplib-dev libgtest-dev libgmock-dev \
     && rm -rf /var/lib/apt/lists/*
 # ON requires nvcc (the CUDA devel base); OFF builds the CPU backend only.
 ARG RELGEN_CUDA=ON
@@ -63,8 +63,8 @@ RUN ! ldd /opt/relgen/bin/relgen-server /opt/relgen/bin/relgen-client /opt/relge
 COPY models/default /opt/relgen/models/default
 WORKDIR /opt/relgen
 USER relgen
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
   CMD ["/opt/relgen/bin/relgen-client", "health", "--server", "127.0.0.1:50051", "--timeout", "2"]
 ENTRYPOINT ["/opt/relgen/bin/relgen-server"]
-CMD ["--device", "auto", "--listen", "0.0.0.0:50051", "--metrics_listen", "0.0.0.0:9400"]
+CMD ["--device", "auto", "--listen", "0.0.0.0:50051", "--http_listen", "0.0.0.0:8000", "--metrics_listen", "0.0.0.0:9400"]

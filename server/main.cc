@@ -34,7 +34,9 @@
 #include "engine/backends/cpu_backend.h"
 #include "engine/backends/device.h"
 #include "engine/core/engine.h"
+#include "server/http_listener.h"
 #include "server/metrics.h"
+#include "server/openai_api.h"
 #include "server/options.h"
 #include "server/service.h"
 
@@ -46,6 +48,12 @@ ABSL_FLAG(std::string, model, "", "model directory; default: models/default (her
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC address HOST:PORT (port 0 picks a free one)");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400",
           "admin HTTP address HOST:PORT for /metrics, /healthz, /readyz (port 0 picks one)");
+ABSL_FLAG(std::string, http_listen, "0.0.0.0:8000",
+          "OpenAI-compatible HTTP API address HOST:PORT (POST /v1/completions, GET /v1/models; port 0 picks one; "
+          "empty: no HTTP API). The same TLS and bearer-token flags as gRPC protect it");
+ABSL_FLAG(int32_t, http_threads, 128,
+          "HTTP connections served at once (one thread each, a stream holding its thread until it ends); more "
+          "connections wait for a thread in arrival order");
 ABSL_FLAG(std::string, device, "auto", "auto (CUDA when a GPU is present), cpu, cuda or cuda:N");
 ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
 ABSL_FLAG(std::string, weights_dtype, "auto",
@@ -192,6 +200,8 @@ int Main(int argc, char** argv) {
   o.model = absl::GetFlag(FLAGS_model);
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.http_listen = absl::GetFlag(FLAGS_http_listen);
+  o.http_threads = absl::GetFlag(FLAGS_http_threads);
   o.device = absl::GetFlag(FLAGS_device);
   o.threads = absl::GetFlag(FLAGS_threads);
   o.weights_dtype = absl::GetFlag(FLAGS_weights_dtype);
@@ -221,7 +231,7 @@ int Main(int argc, char** argv) {
   if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_encoder_tokens < 1 || o.max_waiting < 1 ||
       o.kv_block_size < 1 ||
       o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
-      o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0 || o.max_concurrent_streams < 1 ||
+      o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0 || o.max_concurrent_streams < 1 || o.http_threads < 1 ||
       !(o.stream_write_timeout_seconds >= 0)) {
     return Fail("a limit flag is out of range (counts >= 1, --threads >= 0, --max_message_bytes >= 1024, "
                 "--drain_grace_seconds >= 0, --stream_write_timeout_seconds >= 0)", 2);
@@ -292,21 +302,57 @@ int Main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen + ": " + WhyNotListening(o.listen));
   server->GetHealthCheckService()->SetServingStatus(false);
-  std::map<std::string, HttpEndpoint::Handler> hooks;
+  // The admin listener: Prometheus scrapes and probes, never TLS or tokens (docs/operations.md).
+  HttpListener::Settings admin_settings;
+  HttpListener admin("metrics", admin_settings);
+  admin.server().Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics->Text(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  admin.server().Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("alive\n", "text/plain; charset=utf-8");
+  });
+  admin.server().Get("/readyz", [&metrics](const httplib::Request&, httplib::Response& res) {
+    const bool ready = metrics->serving();
+    res.status = ready ? 200 : 503;
+    res.set_content(ready ? "serving\n" : "not serving\n", "text/plain; charset=utf-8");
+  });
   if (absl::GetFlag(FLAGS_enable_test_hooks)) {
-    auto hook = [&hooked_engine](bool pause) {
-      return [&hooked_engine, pause] {
-        Engine* e = hooked_engine.load();
-        if (e == nullptr) return HttpEndpoint::Reply{503, "text/plain; charset=utf-8", "the model is loading\n"};
-        pause ? e->Pause() : e->Resume();
-        return HttpEndpoint::Reply{200, "text/plain; charset=utf-8", pause ? "paused\n" : "resumed\n"};
-      };
-    };
-    hooks["POST /testing/pause"] = hook(true);
-    hooks["POST /testing/resume"] = hook(false);
+    for (const bool pause : {true, false}) {
+      admin.server().Post(pause ? "/testing/pause" : "/testing/resume",
+                          [&hooked_engine, pause](const httplib::Request&, httplib::Response& res) {
+                            Engine* e = hooked_engine.load();
+                            if (e == nullptr) {
+                              res.status = 503;
+                              return res.set_content("the model is loading\n", "text/plain; charset=utf-8");
+                            }
+                            pause ? e->Pause() : e->Resume();
+                            res.set_content(pause ? "paused\n" : "resumed\n", "text/plain; charset=utf-8");
+                          });
+    }
   }
-  auto metrics_port = metrics->Serve(o.metrics_listen, std::move(hooks));
+  auto metrics_port = admin.Start(o.metrics_listen);
   if (!metrics_port.ok()) return Fail(std::string(metrics_port.status().message()));
+
+  HttpListener::Settings http_settings;
+  http_settings.tls_cert = o.tls_cert;
+  http_settings.tls_key = o.tls_key;
+  http_settings.tls_client_ca = o.tls_client_ca;
+  http_settings.threads = o.http_threads;
+  http_settings.max_body_bytes = o.max_message_bytes;
+  // A stream's write that waits this long for its reader fails, and the call is cancelled.
+  http_settings.write_timeout_seconds = o.stream_write_timeout_seconds > 0 ? o.stream_write_timeout_seconds : 1e6;
+  // A stalled reader is noticed after 256 KiB (the kernel doubles it), not after the megabytes an
+  // auto-sized buffer grows to.
+  http_settings.send_buffer_bytes = 256 << 10;
+  HttpListener http("HTTP", http_settings);
+  OpenAiApi openai(&service, metrics.get());
+  int http_port = 0;
+  if (!o.http_listen.empty()) {
+    openai.Register(&http.server());
+    auto bound = http.Start(o.http_listen);
+    if (!bound.ok()) return Fail(std::string(bound.status().message()));
+    http_port = *bound;
+  }
 
   auto model = Model::Load(o.model);
   if (!model.ok()) return Fail(absl::StrCat("cannot load model: ", model.status().message()));
@@ -353,13 +399,15 @@ int Main(int argc, char** argv) {
 
   const int64_t kv_tokens = int64_t{kv.num_blocks} * kv.block_size;
   std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s, %s weights) on %s; KV cache %lld tokens (%s, %.1f MiB); "
-              "gRPC on %s%s%s; metrics on %s\n",
+              "gRPC on %s%s%s; %s; metrics on %s\n",
               c.name.c_str(), o.model.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
               static_cast<long long>((*model)->num_parameters()), std::string(DTypeName((*model)->file_dtype())).c_str(),
               weights_dtype.c_str(), device_name.c_str(), static_cast<long long>(kv_tokens), kv_dtype.c_str(), kv_bytes / 1048576.0,
               WithPort(o.listen, port).c_str(),
               o.tls_cert.empty() ? "" : (o.tls_client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
-              o.auth_token.empty() ? "" : " (bearer token)", WithPort(o.metrics_listen, *metrics_port).c_str());
+              o.auth_token.empty() ? "" : " (bearer token)",
+              o.http_listen.empty() ? "no HTTP API" : ("HTTP on " + WithPort(o.http_listen, http_port)).c_str(),
+              WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
 
   Engine* const e = engine->get();
@@ -393,6 +441,7 @@ int Main(int argc, char** argv) {
   while (service.in_flight() > 0 && absl::Now() < calls_done_by) absl::SleepFor(absl::Milliseconds(5));
   // Nothing of ours is left: let gRPC cancel its idle machinery at once rather than wait for it.
   server->Shutdown(std::chrono::system_clock::now());
+  http.Stop();
   service.SetEngine(nullptr);
   metrics->SetEngine(nullptr);
   std::printf("relgen-server: stopped (%d requests cut at the grace period; drain %.2f s, shutdown %.2f s)\n", left,

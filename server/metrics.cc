@@ -27,7 +27,7 @@ const char* const kFinishReasons[] = {"length", "stop", "eos", "cancelled", "dea
 // Every status the server answers a Generate call with other than OK (docs/metrics.md), so each
 // series exists at 0 from start-up and rate() and ratios have data on an idle server.
 const char* const kErrorCodes[] = {"CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
-                                   "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED"};
+                                   "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED", "NOT_FOUND"};
 
 prometheus::ClientMetric GaugeValue(double v, std::vector<prometheus::ClientMetric::Label> labels = {}) {
   prometheus::ClientMetric m;
@@ -111,11 +111,20 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                   "Prompt tokens looked up in the prefix cache at admission.");
   prefix_cache_hits_ = counter("relgen_prefix_cache_hits_total",
                                "Prompt tokens found in the prefix cache at admission (not computed again).");
-  received_ = counter("relgen_requests_received_total",
-                      "Generate, GenerateStream and Score calls that reached the server (refused ones included).");
-  rejected_ = counter("relgen_requests_rejected_total",
-                      "Generate, GenerateStream and Score calls refused before the engine (invalid, "
-                      "unauthenticated, queue full, loading, draining).");
+  auto& received = prometheus::BuildCounter()
+                       .Name("relgen_requests_received_total")
+                       .Help("Generate, GenerateStream, Score and completions calls that reached the server (refused "
+                             "ones included), by API.")
+                       .Register(*registry_);
+  received_grpc_ = &received.Add({{"api", "grpc"}});
+  received_http_ = &received.Add({{"api", "http"}});
+  auto& rejected = prometheus::BuildCounter()
+                       .Name("relgen_requests_rejected_total")
+                       .Help("Generate, GenerateStream, Score and completions calls refused before the engine "
+                             "(invalid, unauthenticated, queue full, loading, draining), by API.")
+                       .Register(*registry_);
+  rejected_grpc_ = &rejected.Add({{"api", "grpc"}});
+  rejected_http_ = &rejected.Add({{"api", "http"}});
   stream_write_timeouts_ = counter("relgen_stream_write_timeouts_total",
                                    "Streams cancelled because the client left a write unread past --stream_write_timeout_seconds.");
   requests_ = &prometheus::BuildCounter()
@@ -125,25 +134,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Register(*registry_);
   for (const char* r : kFinishReasons) requests_->Add({{"finish_reason", r}});
   errors_ = &prometheus::BuildCounter().Name("relgen_request_errors_total")
-                 .Help("Requests answered with an error status, by gRPC status code.").Register(*registry_);
-  for (const char* c : kErrorCodes) errors_->Add({{"code", c}});
+                 .Help("Calls answered with an error status, by gRPC status code (an HTTP call's status mapped to "
+                       "one) and API.").Register(*registry_);
+  for (const char* api : {"grpc", "http"}) {
+    for (const char* c : kErrorCodes) errors_->Add({{"api", api}, {"code", c}});
+  }
   live_ = std::make_shared<LiveGauges>(&engine_);
 }
 
 Metrics::~Metrics() = default;
-
-absl::StatusOr<int> Metrics::Serve(const std::string& listen, std::map<std::string, HttpEndpoint::Handler> extra) {
-  std::map<std::string, HttpEndpoint::Handler> routes = std::move(extra);
-  routes["/metrics"] = [this] {
-    return HttpEndpoint::Reply{200, "text/plain; version=0.0.4; charset=utf-8", Text()};
-  };
-  routes["/healthz"] = [] { return HttpEndpoint::Reply{200, "text/plain; charset=utf-8", "alive\n"}; };
-  routes["/readyz"] = [this] {
-    const bool ready = serving_.load();
-    return HttpEndpoint::Reply{ready ? 200 : 503, "text/plain; charset=utf-8", ready ? "serving\n" : "not serving\n"};
-  };
-  return http_.Start(listen, std::move(routes));
-}
 
 std::string Metrics::Text() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
@@ -151,13 +150,14 @@ std::string Metrics::Text() const {
   return prometheus::TextSerializer().Serialize(families);
 }
 
-void Metrics::OnRefused(grpc::StatusCode code) {
+void Metrics::OnRefused(grpc::StatusCode code, Api api) {
   static const char* const kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
                                        "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                                        "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
                                        "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
   const int c = static_cast<int>(code);
-  errors_->Add({{"code", c >= 0 && c <= 16 ? kNames[c] : "UNKNOWN"}}).Increment();
+  errors_->Add({{"api", api == Api::kGrpc ? "grpc" : "http"}, {"code", c >= 0 && c <= 16 ? kNames[c] : "UNKNOWN"}})
+      .Increment();
 }
 
 void Metrics::OnStep(int num_seqs, int) { batch_size_->Observe(num_seqs); }

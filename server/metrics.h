@@ -16,34 +16,35 @@
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "server/http_endpoint.h"
 
 namespace relgen::server {
+
+// The API a call came by (the `api` label).
+enum class Api { kGrpc, kHttp };
 
 class Metrics final : public EngineObserver {
  public:
   Metrics();
   ~Metrics() override;
 
-  // Serves the admin listener on `listen` (HOST:PORT; port 0 picks one): GET /metrics, /healthz
-  // (200 while the process runs) and /readyz (200 while serving, 503 while loading or draining).
-  // Returns the bound port. `extra` adds routes (HttpEndpoint's keys).
-  absl::StatusOr<int> Serve(const std::string& listen, std::map<std::string, HttpEndpoint::Handler> extra = {});
-  // What /readyz answers; mirrors the gRPC health status.
+  // What /readyz answers (200 while serving, 503 while loading or draining); mirrors the gRPC
+  // health status.
   void SetServing(bool serving) { serving_.store(serving); }
+  bool serving() const { return serving_.load(); }
   // The Prometheus text exposition of every metric, as scraped.
   std::string Text() const;
   // The engine whose state the gauges report (null before the model is loaded).
   void SetEngine(const Engine* engine) { engine_.store(engine); }
   // A request answered with a non-OK status before or outside the engine's books.
-  void OnRefused(grpc::StatusCode code);
-  // A Generate, GenerateStream or Score call refused before the engine saw it (also an error).
-  void OnRejected(grpc::StatusCode code) {
-    OnRefused(code);
-    rejected_->Increment();
+  void OnRefused(grpc::StatusCode code, Api api);
+  // A Generate, GenerateStream, Score or completions call refused before the engine saw it (also an
+  // error).
+  void OnRejected(grpc::StatusCode code, Api api) {
+    OnRefused(code, api);
+    (api == Api::kGrpc ? rejected_grpc_ : rejected_http_)->Increment();
   }
-  // A Generate, GenerateStream or Score call reached the handler (before validation).
-  void OnReceived() { received_->Increment(); }
+  // A Generate, GenerateStream, Score or completions call reached its handler (before validation).
+  void OnReceived(Api api) { (api == Api::kGrpc ? received_grpc_ : received_http_)->Increment(); }
   // A stream cancelled because its client left a write unread past --stream_write_timeout_seconds.
   void OnStreamWriteTimeout() { stream_write_timeouts_->Increment(); }
 
@@ -58,7 +59,6 @@ class Metrics final : public EngineObserver {
   class LiveGauges;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<LiveGauges> live_;
-  HttpEndpoint http_;
   std::atomic<const Engine*> engine_{nullptr};
   std::atomic<bool> serving_{false};
 
@@ -76,8 +76,10 @@ class Metrics final : public EngineObserver {
   prometheus::Counter* prefix_cache_queries_;
   prometheus::Counter* prefix_cache_hits_;
   prometheus::Counter* stream_write_timeouts_;
-  prometheus::Counter* received_;
-  prometheus::Counter* rejected_;
+  prometheus::Counter* received_grpc_;
+  prometheus::Counter* received_http_;
+  prometheus::Counter* rejected_grpc_;
+  prometheus::Counter* rejected_http_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* errors_;
 };

@@ -503,26 +503,34 @@ void GenerationService::WatchdogLoop() {
 
 grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
                                       Admission* out) {
-  metrics_->OnReceived();
+  metrics_->OnReceived(Api::kGrpc);
   const grpc::Status s = Submit(ctx, req, out);
-  if (!s.ok()) metrics_->OnRejected(s.error_code());
+  if (!s.ok()) metrics_->OnRejected(s.error_code(), Api::kGrpc);
   return s;
 }
 
 grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::ScoreRequest& req,
                                       Admission* out) {
-  metrics_->OnReceived();
+  metrics_->OnReceived(Api::kGrpc);
   const grpc::Status s = Submit(ctx, req, out);
-  if (!s.ok()) metrics_->OnRejected(s.error_code());
+  if (!s.ok()) metrics_->OnRejected(s.error_code(), Api::kGrpc);
   return s;
 }
 
 template <typename Req>
 grpc::Status GenerationService::Submit(grpc::CallbackServerContext* ctx, const Req& req, Admission* out) {
+  const absl::Time deadline = ctx->deadline() != std::chrono::system_clock::time_point::max()
+                                  ? absl::FromChrono(ctx->deadline())
+                                  : absl::InfiniteFuture();
+  return Submit(req, deadline, CheckBearerToken(ctx->client_metadata(), options_.auth_token), out);
+}
+
+template <typename Req>
+grpc::Status GenerationService::Submit(const Req& req, absl::Time deadline, const grpc::Status& auth,
+                                       Admission* out) {
   Engine* engine = engine_.load();
   if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
   if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
-  grpc::Status auth = CheckBearerToken(ctx->client_metadata(), options_.auth_token);
   if (!auth.ok()) return auth;
   Request r;
   grpc::Status s = ToEngineRequest(req, engine->model().config(), engine->tokenizer(), options_, &r);
@@ -530,14 +538,20 @@ grpc::Status GenerationService::Submit(grpc::CallbackServerContext* ctx, const R
   if (r.id.empty()) r.id = NewRequestId();
   out->request_id = r.id;
   out->prompt_tokens = static_cast<int>(r.prompt.size());
+  out->prompt = r.prompt;
   out->continuations = r.continuations;
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) r.deadline = absl::FromChrono(ctx->deadline());
+  r.deadline = deadline;
   auto h = engine->SubmitGroup(std::move(r));
   if (!h.ok()) return grpc::Status(ToGrpc(h.status().code()), std::string(h.status().message()));
   if (h->empty()) return grpc::Status(grpc::StatusCode::INTERNAL, "the engine returned no request handle");
   out->handles = *std::move(h);
   in_flight_.fetch_add(1);
   return grpc::Status::OK;
+}
+
+grpc::Status GenerationService::SubmitFromHttp(const v1::GenerateRequest& req, const grpc::Status& auth,
+                                               Admission* out) {
+  return Submit(req, absl::InfiniteFuture(), auth, out);
 }
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,

@@ -49,14 +49,22 @@ class GenerationService final : public v1::GenerationService::CallbackService {
     std::vector<std::shared_ptr<RequestHandle>> handles;
     std::string request_id;
     int prompt_tokens = 0;
+    std::vector<int32_t> prompt;  // as tokenised
     std::vector<std::vector<int32_t>> continuations;  // Score: as tokenised
   };
   // Shared by the call reactors. Admit books the call as received and, when it returns an error,
   // as rejected.
   grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req, Admission* out);
   grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::ScoreRequest& req, Admission* out);
-  void Refused(const grpc::Status& status) { metrics_->OnRefused(status.error_code()); }
+  void Refused(const grpc::Status& status) { metrics_->OnRefused(status.error_code(), Api::kGrpc); }
+  // The HTTP API's way in (server/openai_api.h): the same checks and engine request as a gRPC
+  // call's, `auth` being the caller's verdict on the credentials. Books nothing: the caller books
+  // its call, which may submit several prompts. Each admission is one call in flight until
+  // CallDone.
+  grpc::Status SubmitFromHttp(const v1::GenerateRequest& req, const grpc::Status& auth, Admission* out);
   void CallDone() { in_flight_.fetch_sub(1); }
+  Engine* engine() const { return engine_.load(); }
+  const Options& options() const { return options_; }
   const Tokenizer& tokenizer() const { return engine_.load()->tokenizer(); }
 
   // When a stream's pending write started (steady clock, ns; 0: none pending), watched by the
@@ -79,6 +87,8 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   // Validates and submits to the engine (Req: GenerateRequest or ScoreRequest; defined in the .cc).
   template <typename Req>
   grpc::Status Submit(grpc::CallbackServerContext* ctx, const Req& req, Admission* out);
+  template <typename Req>
+  grpc::Status Submit(const Req& req, absl::Time deadline, const grpc::Status& auth, Admission* out);
 
   void WatchdogLoop();
   // Recursive: TryCancel may run the call's callbacks, Unwatch included, on the watchdog's thread.

@@ -371,6 +371,22 @@ TEST_F(ClientBinaryTest, ServeBenchWritesJsonAndPng) {
   r = bench({"--concurrency", "4"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(testing::ReadJson(dir + "/r.json")["results"][0]["concurrency"], 4);
+
+  // The same load through the OpenAI-compatible HTTP API: every request is a streamed completion,
+  // booked with api="http".
+  const double before =
+      testing::ParseMetrics(testing::Scrape(server_->metrics_port()))["relgen_requests_received_total{api=\"http\"}"];
+  r = bench({"--api", "http", "--server", "127.0.0.1:" + std::to_string(server_->http_port()), "--concurrency", "4"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const nlohmann::json h = testing::ReadJson(dir + "/r.json");
+  EXPECT_EQ(h["api"], "http");
+  const auto& row = h["results"][0];
+  EXPECT_EQ(row["completed"], 12);
+  EXPECT_GT(row["output_token_throughput"].get<double>(), 0);
+  for (const char* k : {"ttft_s", "tpot_s", "e2e_s"}) EXPECT_GT(row[k]["p50"].get<double>(), 0) << k;
+  auto m = testing::ParseMetrics(testing::Scrape(server_->metrics_port()));
+  EXPECT_EQ(m["relgen_requests_received_total{api=\"http\"}"] - before, 12);
+  EXPECT_EQ(m["relgen_requests_rejected_total{api=\"http\"}"], 0);
 }
 
 }  // namespace

@@ -3,7 +3,7 @@
 #   1. a Debian 12 base image (debootstrap --variant=minbase + podman import), made once per machine
 #      and kept as localhost/relgen-debian12 (RELGEN_CONTAINER_REBUILD_BASE=1 remakes it);
 #   2. podman build --isolation chroot --format docker with the Debian base and RELGEN_CUDA=OFF;
-#   3. the image's ENTRYPOINT and CMD, with --listen and --metrics_listen moved to 127.0.0.1:0, run
+#   3. the image's ENTRYPOINT and CMD, with --listen, --http_listen and --metrics_listen moved to 127.0.0.1:0, run
 #      as the image's user: with podman run where the sandbox allows it, else chrooted into the
 #      image's filesystem (podman create + podman mount); the ports come from the startup line;
 #   4. the image's own HEALTHCHECK command (from podman image inspect, port substituted) and a
@@ -146,16 +146,17 @@ workdir=$(inspect '{{.Config.WorkingDir}}')
 health=("${health[@]:1}")
 say "ENTRYPOINT ${entrypoint[*]}; CMD ${cmd[*]}; USER $user; WORKDIR $workdir; HEALTHCHECK ${health[*]}"
 
-# CMD with both listeners moved to a free loopback port (the server binds port 0 and says which).
+# CMD with every listener moved to a free loopback port (the server binds port 0 and says which).
 args=()
 for ((i = 0; i < ${#cmd[@]}; i++)); do
   case "${cmd[i]}" in
-    --listen|--metrics_listen) args+=("${cmd[i]}" 127.0.0.1:0); i=$((i + 1)) ;;
-    --listen=*|--metrics_listen=*) args+=("${cmd[i]%%=*}=127.0.0.1:0") ;;
+    --listen|--http_listen|--metrics_listen) args+=("${cmd[i]}" 127.0.0.1:0); i=$((i + 1)) ;;
+    --listen=*|--http_listen=*|--metrics_listen=*) args+=("${cmd[i]%%=*}=127.0.0.1:0") ;;
     *) args+=("${cmd[i]}") ;;
   esac
 done
 printf '%s\n' "${args[@]}" | grep -qx -- --listen || args+=(--listen 127.0.0.1:0)
+printf '%s\n' "${args[@]}" | grep -qx -- --http_listen || args+=(--http_listen 127.0.0.1:0)
 printf '%s\n' "${args[@]}" | grep -qx -- --metrics_listen || args+=(--metrics_listen 127.0.0.1:0)
 
 # --- 3. serve -----------------------------------------------------------------------------------
@@ -222,9 +223,10 @@ esac
 grpc_port=""
 for _ in $(seq 1 600); do
   server_log
-  line=$(grep -m 1 -E 'gRPC on 127\.0\.0\.1:[0-9]+; metrics on 127\.0\.0\.1:[0-9]+' "$log" || true)
+  line=$(grep -m 1 -E 'gRPC on 127\.0\.0\.1:[0-9]+; HTTP on 127\.0\.0\.1:[0-9]+; metrics on 127\.0\.0\.1:[0-9]+' "$log" || true)
   if [ -n "$line" ]; then
     grpc_port=$(echo "$line" | sed -E 's/.*gRPC on 127\.0\.0\.1:([0-9]+);.*/\1/')
+    http_port=$(echo "$line" | sed -E 's/.*HTTP on 127\.0\.0\.1:([0-9]+);.*/\1/')
     metrics_port=$(echo "$line" | sed -E 's/.*metrics on 127\.0\.0\.1:([0-9]+).*/\1/')
     break
   fi
@@ -250,6 +252,11 @@ in_root "$(dirname "${entrypoint[0]}")/relgen-client" generate --server "127.0.0
   --max_new_tokens 8 --temperature 0 "hello" > "$work/generate.out" 2> "$work/generate.err" || gen_rc=$?
 cat "$work/generate.out" "$work/generate.err"
 
+# The HTTP API, from the host (the container shares its network).
+say "HTTP: GET /v1/models on 127.0.0.1:$http_port"
+http_code=$(curl -s -o "$work/models.json" -w '%{http_code}' --max-time 10 "http://127.0.0.1:$http_port/v1/models" || true)
+cat "$work/models.json"; echo
+
 # --- 5. SIGTERM ---------------------------------------------------------------------------------
 say "SIGTERM"
 case "$RUN_MODE" in
@@ -273,6 +280,7 @@ failures=()
 [ "$health_rc" = 0 ] || failures+=("HEALTHCHECK exited $health_rc")
 [ "$gen_rc" = 0 ] || failures+=("relgen-client generate exited $gen_rc")
 [ -s "$work/generate.out" ] || failures+=("relgen-client generate printed nothing")
+[ "$http_code" = 200 ] || failures+=("GET /v1/models answered $http_code")
 [ "$server_rc" = 0 ] || failures+=("relgen-server exited $server_rc after SIGTERM")
 say "image $IMAGE: size $size; build time $build_s s$([ ${#cache[@]} = 0 ] && echo ' (with podman layer cache)'); ran with $RUN_MODE"
 [ ${#failures[@]} = 0 ] || fail "$(IFS=';'; echo "${failures[*]}")"

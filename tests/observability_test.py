@@ -27,7 +27,7 @@ def start_server(tmp):
     model = os.path.join(os.environ["RELGEN_GOLDEN_DIR"], "engine", "skew")
     server = subprocess.Popen(
         [os.environ["RELGEN_SERVER_BIN"], "--model", model, "--listen", "127.0.0.1:0", "--metrics_listen",
-         "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "127.0.0.1:0", "--http_listen", "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in server.stdout:
         m = re.search(r"gRPC on (127\.0\.0\.1:\d+).*metrics on (127\.0\.0\.1:\d+)", line)
         if m:
@@ -225,9 +225,10 @@ class IdleServerTest(unittest.TestCase):
         try:
             self.assertEqual(wait_for_data(port, all_exprs()), [], "expressions without data on an idle server")
             errors = query(port, "relgen_request_errors_total")
-            self.assertEqual({r["metric"]["code"]: r["value"][1] for r in errors},
-                             {c: "0" for c in ("CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
-                                               "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED")})
+            self.assertEqual({(r["metric"]["api"], r["metric"]["code"]): r["value"][1] for r in errors},
+                             {(api, c): "0" for api in ("grpc", "http")
+                              for c in ("CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
+                                        "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED", "NOT_FOUND")})
             self.assertEqual(float(query(port, "sum(relgen_requests_received_total)")[0]["value"][1]), 0.0)
         finally:
             for p in (prom, server):
@@ -250,7 +251,7 @@ class StaticDeployTest(unittest.TestCase):
         users = re.findall(r"^USER\s+(\S+)", text, re.M)
         self.assertTrue(users and users[-1] not in ("root", "0"), "non-root user")
         self.assertRegex(text, r'HEALTHCHECK[^\n]*\\\n\s*CMD \["[^"]*relgen-client", "health"')
-        self.assertRegex(text, r"(?m)^EXPOSE 50051 9400$")
+        self.assertRegex(text, r"(?m)^EXPOSE 50051 8000 9400$")
         self.assertIn("--device\", \"auto", text)
         self.assertIn("COPY models/default", text)
 

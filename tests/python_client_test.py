@@ -19,7 +19,7 @@ class PythonClientTest(unittest.TestCase):
         model = os.path.join(os.environ["RELGEN_GOLDEN_DIR"], "engine", "skew")
         cls.server = subprocess.Popen(
             [os.environ["RELGEN_SERVER_BIN"], "--model", model, "--listen", "127.0.0.1:0", "--metrics_listen",
-             "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             "127.0.0.1:0", "--http_listen", "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in cls.server.stdout:
             m = re.search(r"gRPC on (127\.0\.0\.1:\d+)", line)
             if m:

@@ -1,7 +1,8 @@
 // Faults and security against a real server on loopback: KV exhaustion under load, malformed and
 // oversized messages, a client that never reads, corrupt model files at start, bearer-token auth,
-// mutual TLS, the admin listener's health endpoints, per-connection stream limits, and requests
-// that look like paths.
+// mutual TLS, the admin listener's health endpoints, per-connection stream limits, requests that
+// look like paths, and the HTTP API's faults (clients that leave or never read, oversized and
+// malformed bodies, floods of connections).
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
@@ -209,6 +210,189 @@ TEST(FaultTest, CancelledStalledStreamsAreEachBookedOnce) {
   EXPECT_EQ(server->Wait(), 0);
 }
 
+// ------------------------------------------------------------------ the HTTP API's faults
+
+// A raw HTTP/1.1 connection to the server's OpenAI-compatible API.
+class RawHttp {
+ public:
+  // `receive_buffer` > 0: a small window, so the server's writes wait once it is full.
+  explicit RawHttp(int port, int receive_buffer = 0) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    if (receive_buffer > 0) setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawHttp() { Close(); }
+  bool Send(const std::string& bytes) {
+    return connected_ && write(fd_, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size());
+  }
+  // Reads until `needle` has arrived `count` times, or the connection ends.
+  std::string ReadUntil(const std::string& needle, int count) {
+    while (Count(needle) < count) {
+      char buf[4096];
+      const ssize_t n = read(fd_, buf, sizeof(buf));
+      if (n <= 0) break;
+      got_.append(buf, n);
+    }
+    return got_;
+  }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int Count(const std::string& needle) const {
+    int n = 0;
+    for (size_t at = got_.find(needle); at != std::string::npos; at = got_.find(needle, at + 1)) ++n;
+    return n;
+  }
+  int fd_ = -1;
+  bool connected_ = false;
+  std::string got_;
+};
+
+std::string PostCompletion(const std::string& body) {
+  return "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+// The served model's name, from GET /v1/models.
+std::string ServedModel(int http_port) {
+  const std::string r = testing::HttpGet(http_port, "/v1/models");
+  const size_t body = r.find("\r\n\r\n");
+  if (body == std::string::npos) return "";
+  return nlohmann::json::parse(r.substr(body + 4))["data"][0]["id"].get<std::string>();
+}
+
+std::string CompletionJson(const std::string& model, const std::string& fields) {
+  return R"({"model": ")" + model + R"(", )" + fields + "}";
+}
+
+TEST(HttpFaultTest, AClientThatLeavesMidStreamCancelsItsRequest) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192"});
+  const std::string model = ServedModel(server->http_port());
+  ASSERT_FALSE(model.empty());
+  RawHttp client(server->http_port());
+  ASSERT_TRUE(client.Send(PostCompletion(
+      CompletionJson(model, R"("prompt": [9, 8, 7], "max_tokens": 2000, "ignore_eos": true, "stream": true)"))));
+  const std::string head = client.ReadUntil("data: ", 3);
+  EXPECT_THAT(head, HasSubstr("200 OK"));
+  EXPECT_THAT(head, HasSubstr("text/event-stream"));
+  client.Close();
+  auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_request_errors_total{api=\"http\",code=\"CANCELLED\"}") == 1 &&
+           Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == 1 &&
+           Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
+  });
+  EXPECT_EQ(Metric(m, "relgen_request_errors_total{api=\"http\",code=\"CANCELLED\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_LT(Metric(m, "relgen_generation_tokens_total"), 2000) << "the request must stop before its end";
+  // The server goes on serving.
+  const std::string next = testing::HttpRequest(server->http_port(), "POST", "/v1/completions",
+                                                CompletionJson(model, R"("prompt": "ab", "max_tokens": 4)"));
+  EXPECT_THAT(next, HasSubstr("200 OK"));
+  EXPECT_THAT(next, HasSubstr(R"("finish_reason":)"));
+  m = testing::ParseMetrics(testing::Scrape(server->metrics_port()));
+  EXPECT_EQ(Metric(m, "relgen_requests_received_total{api=\"http\"}"), 2);
+  EXPECT_EQ(Metric(m, "relgen_requests_rejected_total{api=\"http\"}"), 0);
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(), 0);
+}
+
+TEST(HttpFaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "65536", "--max_num_seqs", "16",
+                             "--stream_write_timeout_seconds", "1"});
+  const std::string model = ServedModel(server->http_port());
+  ASSERT_FALSE(model.empty());
+  // 16 samples of 2000 tokens with 20 alternatives each: megabytes of events, against the server's
+  // 256 KiB send buffer and a 4 KiB window. The writes wait long before the samples' end.
+  RawHttp stalled(server->http_port(), 4096);
+  ASSERT_TRUE(stalled.Send(PostCompletion(CompletionJson(
+      model, R"("prompt": [9, 8, 7], "max_tokens": 2000, "n": 16, "logprobs": 20, "ignore_eos": true, "stream": true)"))));
+  auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_stream_write_timeouts_total") == 1 &&
+           Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == 16 &&
+           Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
+  });
+  EXPECT_EQ(Metric(m, "relgen_stream_write_timeouts_total"), 1);
+  EXPECT_EQ(Metric(m, "relgen_request_errors_total{api=\"http\",code=\"CANCELLED\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}"), 16);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_LT(Metric(m, "relgen_generation_tokens_total"), 16 * 2000);
+  // Meanwhile and after, the server serves others.
+  const std::string other = testing::HttpRequest(server->http_port(), "POST", "/v1/completions",
+                                                 CompletionJson(model, R"("prompt": [1, 2], "max_tokens": 5)"));
+  EXPECT_THAT(other, HasSubstr("200 OK"));
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(), 0);
+}
+
+TEST(HttpFaultTest, OversizedBodiesAndBadJsonAreRefusedAndBooked) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192", "--max_message_bytes", "4096"});
+  const std::string model = ServedModel(server->http_port());
+  ASSERT_FALSE(model.empty());
+  RawHttp big(server->http_port());
+  ASSERT_TRUE(big.Send(PostCompletion(CompletionJson(model, R"("prompt": ")" + std::string(5000, 'x') + "\""))));
+  const std::string too_large = big.ReadUntil("}}", 1);
+  big.Close();
+  EXPECT_THAT(too_large, HasSubstr("413"));
+  EXPECT_THAT(too_large, HasSubstr("--max_message_bytes"));
+  EXPECT_THAT(too_large, HasSubstr(R"("type":"invalid_request_error")"));
+  const std::string bad = testing::HttpRequest(server->http_port(), "POST", "/v1/completions", R"({"model": "x", )");
+  EXPECT_THAT(bad, HasSubstr("400 Bad Request"));
+  EXPECT_THAT(bad, HasSubstr("not JSON"));
+  const std::string good = testing::HttpRequest(server->http_port(), "POST", "/v1/completions",
+                                                CompletionJson(model, R"("prompt": "ab", "max_tokens": 3)"));
+  EXPECT_THAT(good, HasSubstr("200 OK"));
+  auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_requests_total{finish_reason=\"length\"}") == 1;
+  });
+  EXPECT_EQ(Metric(m, "relgen_requests_received_total{api=\"http\"}"), 3);
+  EXPECT_EQ(Metric(m, "relgen_requests_rejected_total{api=\"http\"}"), 2);
+  EXPECT_EQ(Metric(m, "relgen_request_errors_total{api=\"http\",code=\"RESOURCE_EXHAUSTED\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_request_errors_total{api=\"http\",code=\"INVALID_ARGUMENT\"}"), 1);
+  EXPECT_EQ(Metric(m, "relgen_requests_received_total{api=\"grpc\"}"), 0);
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(), 0);
+}
+
+TEST(HttpFaultTest, AFloodOfConnectionsLeavesTheServerServing) {
+  auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "16384", "--http_threads", "4"});
+  const std::string model = ServedModel(server->http_port());
+  ASSERT_FALSE(model.empty());
+  // 200 connections that close without a request, beside 48 clients each asking for a completion,
+  // against 4 threads: every completion is answered and booked once.
+  constexpr int kClients = 48;
+  std::vector<std::unique_ptr<RawHttp>> idle;
+  for (int i = 0; i < 200; ++i) idle.push_back(std::make_unique<RawHttp>(server->http_port()));
+  std::vector<std::future<std::string>> answers;
+  for (int i = 0; i < kClients; ++i) {
+    answers.push_back(std::async(std::launch::async, [&, i] {
+      return testing::HttpRequest(server->http_port(), "POST", "/v1/completions",
+                                  CompletionJson(model, R"("prompt": [5, )" + std::to_string(i) +
+                                                            R"(], "max_tokens": 6, "ignore_eos": true)"));
+    }));
+  }
+  idle.clear();  // closed
+  for (int i = 0; i < kClients; ++i) EXPECT_THAT(answers[i].get(), HasSubstr("200 OK")) << i;
+  auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_requests_total{finish_reason=\"length\"}") == kClients;
+  });
+  EXPECT_EQ(Metric(m, "relgen_requests_received_total{api=\"http\"}"), kClients);
+  EXPECT_EQ(Metric(m, "relgen_requests_rejected_total{api=\"http\"}"), 0);
+  EXPECT_EQ(Metric(m, "relgen_requests_total{finish_reason=\"length\"}"), kClients);
+  EXPECT_EQ(Metric(m, "relgen_generation_tokens_total"), kClients * 6);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  EXPECT_THAT(testing::HttpGet(server->http_port(), "/v1/models"), HasSubstr("200 OK"));
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(), 0);
+}
+
 // ------------------------------------------------------------------ corrupt model files at start
 
 class CorruptModelTest : public ::testing::Test {
@@ -402,6 +586,20 @@ TEST(SecurityTest, MutualTlsAdmitsOnlyClientsWithACertificateFromTheCa) {
   plain_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::GenerateResponse resp;
   EXPECT_FALSE(Stub(*server)->Generate(&plain_ctx, TokenRequest({1}, 2), &resp).ok()) << "plaintext";
+
+  // The HTTP API takes the same certificates: HTTPS, and a client certificate from the CA.
+  auto curl = [&](const std::string& flags) {
+    const std::string out = d + "/curl.out";
+    const std::string cmd = "curl -s -o '" + out + "' -w '%{http_code}' --max-time 10 --cacert '" + d + "/ca.pem' " +
+                            flags + " https://127.0.0.1:" + std::to_string(server->http_port()) + "/v1/models > '" +
+                            d + "/curl.code' 2>/dev/null";
+    std::system(cmd.c_str());
+    return testing::ReadFile(d + "/curl.code");
+  };
+  EXPECT_EQ(curl("--cert '" + d + "/client.pem' --key '" + d + "/client.key'"), "200");
+  EXPECT_NE(curl(""), "200") << "no client certificate";
+  EXPECT_NE(curl("--cert '" + d + "/intruder.pem' --key '" + d + "/intruder.key'"), "200") << "another CA's";
+  EXPECT_EQ(testing::HttpGet(server->http_port(), "/v1/models").find("200 OK"), std::string::npos) << "plaintext";
 }
 
 TEST(SecurityTest, ClientCaWithoutServerCertificateIsAFlagError) {

@@ -37,7 +37,8 @@ class ServerProcess {
       dup2(out[1], 1);
       dup2(out[1], 2);
       close(out[0]);
-      std::vector<std::string> all = {Binary(), "--listen", "127.0.0.1:0", "--metrics_listen", "127.0.0.1:0"};
+      std::vector<std::string> all = {Binary(), "--listen", "127.0.0.1:0", "--metrics_listen", "127.0.0.1:0",
+                                       "--http_listen", "127.0.0.1:0"};
       all.insert(all.end(), args.begin(), args.end());
       std::vector<char*> argv;
       for (auto& a : all) argv.push_back(a.data());
@@ -56,6 +57,7 @@ class ServerProcess {
       if (std::regex_search(line, m, std::regex("gRPC on 127\\.0\\.0\\.1:(\\d+).*metrics on 127\\.0\\.0\\.1:(\\d+)"))) {
         port_ = std::stoi(m[1]);
         metrics_port_ = std::stoi(m[2]);
+        if (std::regex_search(line, m, std::regex("HTTP on 127\\.0\\.0\\.1:(\\d+)"))) http_port_ = std::stoi(m[1]);
         // Keep draining the output so the server never blocks on a full pipe.
         reader_ = std::thread([this] {
           std::string l;
@@ -104,6 +106,7 @@ class ServerProcess {
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
   int metrics_port() const { return metrics_port_; }
+  int http_port() const { return http_port_; }  // the OpenAI-compatible API (0: off)
   const std::string& startup_output() const { return output_; }
 
   static std::string Binary() {
@@ -125,13 +128,15 @@ class ServerProcess {
 
   pid_t pid_ = -1;
   int fd_ = -1;
-  int port_ = 0, metrics_port_ = 0;
+  int port_ = 0, metrics_port_ = 0, http_port_ = 0;
   std::string output_, tail_;
   std::thread reader_;
 };
 
-// METHOD http://127.0.0.1:port<path>: the whole response (status line, headers, body).
-inline std::string HttpRequest(int port, const std::string& method, const std::string& path) {
+// METHOD http://127.0.0.1:port<path> with `body` (JSON): the whole response (status line, headers,
+// body).
+inline std::string HttpRequest(int port, const std::string& method, const std::string& path,
+                               const std::string& body_out = "") {
   const int s = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -139,7 +144,11 @@ inline std::string HttpRequest(int port, const std::string& method, const std::s
   inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
   std::string body;
   if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    std::string req = method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n";
+    if (method != "GET") {
+      req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body_out.size()) + "\r\n";
+    }
+    req += "\r\n" + body_out;
     if (write(s, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
       char buf[65536];
       ssize_t n;
@@ -215,16 +224,25 @@ inline std::set<std::string> SocketInodesOf(pid_t pid) {
   return out;
 }
 
-// Sample lines "name{labels} value" -> value; the key is the text before the value.
+// Sample lines "name{labels} value" -> value; the key is the text before the value. A series with
+// an `api` label (the API a call came by) also adds to the key without it, the sum over APIs:
+// relgen_requests_received_total{api="grpc"} counts in relgen_requests_received_total too.
 inline std::map<std::string, double> ParseMetrics(const std::string& text) {
   std::map<std::string, double> out;
   std::istringstream in(text);
   std::string line;
+  const std::regex api_label("api=\"[a-z]+\",?");
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     const size_t sp = line.rfind(' ');
     if (sp == std::string::npos) continue;
-    out[line.substr(0, sp)] = std::strtod(line.c_str() + sp + 1, nullptr);
+    const std::string key = line.substr(0, sp);
+    const double v = std::strtod(line.c_str() + sp + 1, nullptr);
+    out[key] = v;
+    if (key.find("{api=") == std::string::npos) continue;
+    std::string total = std::regex_replace(key, api_label, "");
+    if (total.size() >= 2 && total.compare(total.size() - 2, 2, "{}") == 0) total.resize(total.size() - 2);
+    out[total] += v;
   }
   return out;
 }

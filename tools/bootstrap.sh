@@ -21,7 +21,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git ccache
   libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libopenblas0-pthread
-  nlohmann-json3-dev libsentencepiece-dev
+  nlohmann-json3-dev libsentencepiece-dev libcpp-httplib-dev
   python3 python3-torch python3-numpy openssl curl clang libclang-rt-14-dev llvm
   fortunes prometheus python3-yaml python3-grpcio python3-grpc-tools python3-protobuf python3-venv python3-setuptools python3-pip python3-matplotlib
   podman runc debootstrap
@@ -37,16 +37,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-# The test references for Hugging Face checkpoints and tokenizers: transformers and tokenizers from
-# PyPI in a venv over Debian's torch (tests/CMakeLists.txt: RELGEN_HF_PYTHON). Test tools only.
+# The test references for Hugging Face checkpoints and tokenizers (transformers and tokenizers) and
+# the official OpenAI client that tests the HTTP API (tests/openai_api_test.py), from PyPI in a venv
+# over Debian's torch (tests/CMakeLists.txt: RELGEN_HF_PYTHON). Test tools only.
 if [ "$mode" = test ]; then
   venv=build-hf-venv
-  if ! "$venv/bin/python" -c 'import transformers, tokenizers, sentencepiece' 2>/dev/null; then
-    echo "== making $venv (transformers 4.46.3, tokenizers 0.20.3 from PyPI, over Debian's torch)"
+  if ! "$venv/bin/python" -c 'import transformers, tokenizers, sentencepiece, openai' 2>/dev/null; then
+    echo "== making $venv (transformers 4.46.3, tokenizers 0.20.3, openai 1.58.1 from PyPI, over Debian's torch)"
     rm -rf "$venv"
     /usr/bin/python3 -m venv --system-site-packages "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check \
-      "transformers==4.46.3" "tokenizers==0.20.3" "sentencepiece==0.2.0"
+      "transformers==4.46.3" "tokenizers==0.20.3" "sentencepiece==0.2.0" \
+      "openai==1.58.1" "httpx==0.28.1"
   fi
 fi
 

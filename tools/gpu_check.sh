@@ -201,7 +201,7 @@ run() {
           for mode in overlap_steps nooverlap_steps; do
             log=$OUT/serve_${shape}_${mode}_$rep.server.log
             "$root/bin/relgen-server" --model "$dir" --device cuda --weights_dtype bf16 --kv_cache_dtype bf16 \
-              --listen 127.0.0.1:0 --metrics_listen 127.0.0.1:0 --max_num_seqs 64 --"$mode" >"$log" 2>&1 &
+              --listen 127.0.0.1:0 --metrics_listen 127.0.0.1:0 --http_listen 127.0.0.1:0 --max_num_seqs 64 --"$mode" >"$log" 2>&1 &
             pid=$!
             for _ in $(seq 600); do grep -q "gRPC on" "$log" && break; kill -0 $pid 2>/dev/null || break; sleep 0.2; done
             addr=$(grep -o "gRPC on [^ ;]*" "$log" | head -n 1 | cut -d' ' -f3)

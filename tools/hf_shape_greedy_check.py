@@ -101,7 +101,7 @@ def relgen(out, new):
     client = os.path.join(ROOT, "build", "client", "relgen-client")
     port = 20000 + os.getpid() % 20000
     t0 = time.time()
-    p = subprocess.Popen([server, "--model", out, "--listen", f"127.0.0.1:{port}", "--metrics_listen", "127.0.0.1:0",
+    p = subprocess.Popen([server, "--model", out, "--listen", f"127.0.0.1:{port}", "--metrics_listen", "127.0.0.1:0", "--http_listen", "127.0.0.1:0",
                           "--kv_cache_tokens", "4096"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = ""

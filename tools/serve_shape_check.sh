@@ -25,7 +25,7 @@ bytes=$(du -cb "$dir"/*.safetensors | tail -1 | cut -f1)
 log=$(mktemp)
 port=$((20000 + RANDOM % 20000))
 t0=$(date +%s.%N)
-"$server" --model "$dir" --listen "127.0.0.1:$port" --metrics_listen 127.0.0.1:0 >"$log" 2>&1 &
+"$server" --model "$dir" --listen "127.0.0.1:$port" --metrics_listen 127.0.0.1:0 --http_listen 127.0.0.1:0 >"$log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
 until grep -q "gRPC on" "$log"; do

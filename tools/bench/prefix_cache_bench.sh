@@ -14,7 +14,7 @@ port=$((52000 + RANDOM % 1000))
 for rep in $(seq 1 "$reps"); do
   for mode in on off; do
     flag=--enable_prefix_caching; [ "$mode" = off ] && flag=--noenable_prefix_caching
-    "$build/server/relgen-server" --listen "127.0.0.1:$port" --metrics_listen 127.0.0.1:0 --kv_cache_tokens 65536 "$flag" \
+    "$build/server/relgen-server" --listen "127.0.0.1:$port" --metrics_listen 127.0.0.1:0 --http_listen 127.0.0.1:0 --kv_cache_tokens 65536 "$flag" \
       >"$out/server-$mode-$rep.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 600); do  # until the model is loaded and the server says SERVING

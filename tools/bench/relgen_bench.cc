@@ -36,7 +36,8 @@ int Usage() {
                "                           [--cuda_split_keys 128]]   (cuda: --peer torch|none) [--batch_prefill 1|0]\n"
                "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
                "       relgen-bench sample [--vocab 250880] [--rows 16] [--threads 0] [--reps 21]   (host sampler per control)\n"
-               "       relgen-bench serve [--server HOST:PORT] [--rates 1,2,4 | --concurrency 8] [--num_requests 100]\n"
+               "       relgen-bench serve [--server HOST:PORT] [--api grpc|http] [--rates 1,2,4 | --concurrency 8]\n"
+               "                          [--num_requests 100]   (--api http: --server is the HTTP API's address)\n"
                "                          [--prompt_len 64] [--output_len 64] [--spread 0.5] [--prompts_file FILE]\n"
                "                          [--slo_ttft 1.0] [--slo_tpot 0.1] [--timeout 300] [--seed 1]\n"
                "                          [--shared_prefix_len 0]   (tokens every synthetic prompt starts with)\n"
@@ -193,6 +194,7 @@ int main(int argc, char** argv) {
     for (auto& [f, v] : flags) {
       bool ok = true;
       if (f == "--server") o.server = v;
+      else if (f == "--api") ok = (o.api = v) == "grpc" || v == "http";
       else if (f == "--rates") {
         o.rates.clear();
         for (absl::string_view part : absl::StrSplit(v, ',')) {

@@ -18,7 +18,7 @@ for rep in $(seq "$reps"); do
   for server in "$@"; do
     for mode in greedy top_p; do
       log=$(mktemp)
-      "$server" --model "$model" --listen 127.0.0.1:0 --metrics_listen 127.0.0.1:0 --max_num_seqs 16 >"$log" 2>&1 &
+      "$server" --model "$model" --listen 127.0.0.1:0 --metrics_listen 127.0.0.1:0 --http_listen 127.0.0.1:0 --max_num_seqs 16 >"$log" 2>&1 &
       pid=$!
       until grep -q "gRPC on" "$log"; do
         kill -0 $pid 2>/dev/null || { cat "$log"; exit 1; }

@@ -1,6 +1,7 @@
 #include "tools/bench/serve_bench.h"
 
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -91,6 +92,81 @@ class Runner {
   }
 
   Sample Call(const v1::GenerateRequest& req, Clock::time_point origin) const {
+    return o_.api == "http" ? CallHttp(req, origin) : CallGrpc(req, origin);
+  }
+
+  // The served model's name, for the HTTP API's requests.
+  void set_model(std::string model) { model_ = std::move(model); }
+
+  // The same request as a streamed completion. A chunk carries text, not token ids: each chunk
+  // counts as one token for the inter-token latencies, and the tokens are counted from the usage
+  // chunk at the end.
+  Sample CallHttp(const v1::GenerateRequest& req, Clock::time_point origin) const {
+    Sample s;
+    json body = {{"model", model_}, {"max_tokens", req.max_new_tokens()}, {"ignore_eos", true},
+                 {"temperature", req.temperature()}, {"seed", req.seed()}, {"stream", true},
+                 {"stream_options", {{"include_usage", true}}}};
+    if (req.has_text()) {
+      body["prompt"] = req.text();
+    } else {
+      body["prompt"] = std::vector<int32_t>(req.token_ids().ids().begin(), req.token_ids().ids().end());
+    }
+    if (req.has_top_p()) body["top_p"] = req.top_p();
+    if (req.has_top_k()) body["top_k"] = req.top_k();
+    httplib::Client client("http://" + o_.server);
+    client.set_read_timeout(static_cast<time_t>(o_.timeout));
+    const auto t0 = Clock::now();
+    s.send = Seconds(origin, t0);
+    Clock::time_point first, prev;
+    int chunks = 0;
+    std::string pending;
+    bool done = false;
+    httplib::Request r;
+    r.method = "POST";
+    r.path = "/v1/completions";
+    r.set_header("Content-Type", "application/json");
+    r.body = body.dump();
+    r.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
+      const auto now = Clock::now();
+      pending.append(data, len);
+      for (size_t end; (end = pending.find("\n\n")) != std::string::npos; pending.erase(0, end + 2)) {
+        const std::string event = pending.substr(0, end);
+        if (event.rfind("data: ", 0) != 0) continue;
+        if (event == "data: [DONE]") {
+          done = true;
+          continue;
+        }
+        const json chunk = json::parse(event.substr(6), nullptr, false);
+        if (chunk.is_discarded() || chunk.contains("error")) {
+          s.error = chunk.is_discarded() ? "a chunk that is not JSON" : chunk["error"]["message"].get<std::string>();
+          return false;
+        }
+        if (chunk.contains("usage") && chunk["usage"].is_object()) {
+          s.prompt_tokens = chunk["usage"]["prompt_tokens"].get<int>();
+          s.output_tokens = chunk["usage"]["completion_tokens"].get<int>();
+        }
+        if (chunk["choices"].empty()) continue;
+        if (chunks++ == 0) {
+          first = now;
+          s.ttft = Seconds(t0, now);
+        } else {
+          s.itl.push_back(Seconds(prev, now));
+        }
+        prev = now;
+      }
+      return true;
+    };
+    const httplib::Result res = client.send(r);
+    s.e2e = Seconds(t0, Clock::now());
+    s.ok = res && res->status == 200 && done && s.error.empty();
+    if (!s.ok && s.error.empty()) {
+      s.error = res ? "HTTP " + std::to_string(res->status) + ": " + res->body : httplib::to_string(res.error());
+    }
+    if (s.output_tokens > 1) s.tpot = Seconds(first, prev) / (s.output_tokens - 1);
+    return s;
+  }
+
+  Sample CallGrpc(const v1::GenerateRequest& req, Clock::time_point origin) const {
     Sample s;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.timeout * 1000)));
@@ -125,6 +201,7 @@ class Runner {
   const ServeOptions& o_;
   std::unique_ptr<v1::GenerationService::Stub> stub_;
   std::vector<std::string> prompts_;
+  std::string model_;
 };
 
 void Progress(const std::string& label, const std::atomic<int>& done, int total, Clock::time_point start,
@@ -221,11 +298,23 @@ json RunOne(const Runner& runner, const ServeOptions& o, double rate, int concur
 
 int RunServeBench(const ServeOptions& o) {
   auto channel = grpc::CreateChannel(o.server, grpc::InsecureChannelCredentials());
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
+  std::string model;
+  if (o.api == "http") {
+    httplib::Client client("http://" + o.server);
+    client.set_connection_timeout(10);
+    const httplib::Result res = client.Get("/v1/models");
+    const json models = res && res->status == 200 ? json::parse(res->body, nullptr, false) : json();
+    if (!models.is_object() || !models.contains("data") || models["data"].empty()) {
+      std::fprintf(stderr, "relgen-bench: cannot list the models of the HTTP API at %s\n", o.server.c_str());
+      return 14;
+    }
+    model = models["data"][0]["id"].get<std::string>();
+  } else if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
     std::fprintf(stderr, "relgen-bench: cannot reach relgen-server at %s\n", o.server.c_str());
     return 14;
   }
   Runner runner(o, channel);
+  runner.set_model(model);
   if (!runner.has_prompts()) {
     std::fprintf(stderr, "relgen-bench: no prompts in %s\n", o.prompts_file.c_str());
     return 2;
@@ -253,7 +342,7 @@ int RunServeBench(const ServeOptions& o) {
                 r["goodput"].get<double>(), ms("ttft_s").c_str(), ms("tpot_s").c_str(), ms("itl_s").c_str(), e2e);
     std::fflush(stdout);
   }
-  const json out = {{"server", o.server}, {"num_requests", o.num_requests}, {"prompt_len", o.prompt_len},
+  const json out = {{"server", o.server}, {"api", o.api}, {"num_requests", o.num_requests}, {"prompt_len", o.prompt_len},
                     {"shared_prefix_len", o.shared_prefix_len},
                     {"output_len", o.output_len}, {"spread", o.spread}, {"slo_ttft_s", o.slo_ttft},
                     {"slo_tpot_s", o.slo_tpot}, {"results", results}};

@@ -8,6 +8,7 @@ namespace relgen::bench {
 
 struct ServeOptions {
   std::string server = "localhost:50051";
+  std::string api = "grpc";   // grpc: GenerateStream; http: POST /v1/completions with stream (the OpenAI API)
   std::vector<double> rates;  // requests/s, open loop (Poisson arrivals); empty: closed loop
   int concurrency = 8;        // closed loop
   int num_requests = 100;     // per rate

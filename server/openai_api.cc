@@ -1,0 +1,688 @@
+#include "server/openai_api.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <limits>
+#include <mutex>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "server/auth.h"
+#include "server/validation.h"
+
+namespace relgen::server {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+// OpenAI's legacy completions default; a request without max_tokens gets this many.
+constexpr int kDefaultMaxTokens = 16;
+// Prompts in one completions call at most (each is one engine request of n samples).
+constexpr int kMaxPrompts = 64;
+
+struct ApiError {
+  grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
+  std::string message;
+  std::string param;     // the request field at fault, if any
+  std::string err_code;  // OpenAI's `code`, if any
+  int http = 0;          // the HTTP status, where `code`'s usual one is not it
+};
+
+int HttpStatus(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::StatusCode::INVALID_ARGUMENT: return 400;
+    case grpc::StatusCode::UNAUTHENTICATED: return 401;
+    case grpc::StatusCode::NOT_FOUND: return 404;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return 429;
+    case grpc::StatusCode::UNAVAILABLE: return 503;
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return 504;
+    case grpc::StatusCode::CANCELLED: return 499;
+    default: return 500;
+  }
+}
+
+const char* ErrorType(int http) {
+  switch (http) {
+    case 401: return "authentication_error";
+    case 429: return "rate_limit_error";
+    case 500:
+    case 503:
+    case 504: return "server_error";
+    default: return "invalid_request_error";
+  }
+}
+
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+int HttpStatus(const ApiError& e) { return e.http != 0 ? e.http : HttpStatus(e.code); }
+
+json ErrorBody(const ApiError& e) {
+  json err;
+  err["message"] = e.message;
+  err["type"] = ErrorType(HttpStatus(e));
+  err["param"] = e.param.empty() ? json(nullptr) : json(e.param);
+  err["code"] = e.err_code.empty() ? json(nullptr) : json(e.err_code);
+  return json{{"error", std::move(err)}};
+}
+
+void Reply(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(Dump(body), "application/json");
+}
+
+void ReplyError(httplib::Response& res, const ApiError& e) { Reply(res, HttpStatus(e), ErrorBody(e)); }
+
+// The gRPC request's field names in the service's messages ("field: what") as the API names them.
+std::string ApiField(const std::string& field) {
+  if (field == "max_new_tokens") return "max_tokens";
+  if (field == "text" || field == "token_ids") return "prompt";
+  if (field == "prompt_logprobs") return "echo";
+  return field;
+}
+
+ApiError FromStatus(const grpc::Status& s) {
+  ApiError e;
+  e.code = s.error_code();
+  e.message = s.error_message();
+  if (e.code == grpc::StatusCode::INVALID_ARGUMENT) {
+    const size_t colon = e.message.find(": ");
+    if (colon != std::string::npos && e.message.find(' ') > colon) {
+      e.param = ApiField(e.message.substr(0, colon));
+      e.message = e.param + e.message.substr(colon);
+    }
+  }
+  return e;
+}
+
+ApiError Invalid(const std::string& param, const std::string& what) {
+  return ApiError{grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat(param, ": ", what), param, ""};
+}
+
+// OK when no token is configured or the request carries "Authorization: Bearer <token>".
+grpc::Status CheckAuth(const httplib::Request& req, const std::string& token) {
+  if (token.empty()) return grpc::Status::OK;
+  const std::string h = req.get_header_value("Authorization");
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (absl::StartsWith(h, kBearer) && ConstantTimeEquals(absl::string_view(h).substr(kBearer.size()), token)) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      "this server needs the header 'Authorization: Bearer <token>' with its token (--auth_token_file)");
+}
+
+const char* FinishName(FinishReason r) { return r == FinishReason::kLength ? "length" : "stop"; }
+
+// Characters of UTF-8 text (bytes that do not continue a character).
+int64_t Chars(absl::string_view s) {
+  int64_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+struct Prompt {
+  bool is_text = true;
+  std::string text;
+  std::vector<int32_t> ids;
+};
+
+struct Completion {
+  std::string model;
+  std::vector<Prompt> prompts;
+  v1::GenerateRequest base;  // every field but the prompt
+  bool echo = false;
+  bool stream = false;
+  bool include_usage = false;
+  int logprobs = -1;  // -1: none
+};
+
+std::optional<ApiError> GetInt(const json& v, const std::string& name, int64_t lo, int64_t hi, int64_t* out) {
+  if (!v.is_number_integer()) return Invalid(name, "expected an integer");
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi) : (v.get<int64_t>() < lo || v.get<int64_t>() > hi)) {
+    return Invalid(name, absl::StrCat(v.dump(), "; allowed ", lo, "..", hi));
+  }
+  *out = v.get<int64_t>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetNumber(const json& v, const std::string& name, double* out) {
+  if (!v.is_number()) return Invalid(name, "expected a number");
+  *out = v.get<double>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetBool(const json& v, const std::string& name, bool* out) {
+  if (!v.is_boolean()) return Invalid(name, "expected true or false");
+  *out = v.get<bool>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetIds(const json& v, const std::string& name, std::vector<int32_t>* out) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    int64_t id = 0;
+    if (auto e = GetInt(v[i], absl::StrCat(name, "[", i, "]"), 0, std::numeric_limits<int32_t>::max(), &id)) {
+      e->param = name;
+      return e;
+    }
+    out->push_back(static_cast<int32_t>(id));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParsePrompt(const json& v, std::vector<Prompt>* out) {
+  const std::string kShape = "expected a string, an array of strings, an array of token ids or an array of those";
+  if (v.is_string()) {
+    out->push_back(Prompt{true, v.get<std::string>(), {}});
+    return std::nullopt;
+  }
+  if (!v.is_array() || v.empty()) return Invalid("prompt", v.is_array() ? "the array is empty; " + kShape : kShape);
+  if (v[0].is_number()) {
+    Prompt p{false, "", {}};
+    if (auto e = GetIds(v, "prompt", &p.ids)) return e;
+    out->push_back(std::move(p));
+    return std::nullopt;
+  }
+  if (v.size() > kMaxPrompts) return Invalid("prompt", absl::StrCat(v.size(), " prompts; allowed at most ", kMaxPrompts));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i].is_string()) {
+      out->push_back(Prompt{true, v[i].get<std::string>(), {}});
+    } else if (v[i].is_array() && !v[i].empty()) {
+      Prompt p{false, "", {}};
+      if (auto e = GetIds(v[i], absl::StrCat("prompt[", i, "]"), &p.ids)) return e;
+      out->push_back(std::move(p));
+    } else {
+      return Invalid("prompt", absl::StrCat("prompt[", i, "] is ", v[i].type_name(), "; ", kShape));
+    }
+  }
+  return std::nullopt;
+}
+
+// The request's JSON into a Completion. Every field is either used or refused by name.
+std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
+  if (!body.is_object()) return Invalid("body", "expected a JSON object");
+  v1::GenerateRequest& r = c->base;
+  r.set_max_new_tokens(kDefaultMaxTokens);
+  bool has_prompt = false;
+  std::optional<int64_t> best_of;
+  bool has_stream_options = false;
+  for (const auto& [key, v] : body.items()) {
+    if (v.is_null() && key != "model" && key != "prompt") continue;  // null: the default
+    int64_t i = 0;
+    double d = 0;
+    std::optional<ApiError> e;
+    if (key == "model") {
+      if (!v.is_string()) return Invalid("model", "expected the served model's name (GET /v1/models)");
+      c->model = v.get<std::string>();
+    } else if (key == "prompt") {
+      e = ParsePrompt(v, &c->prompts);
+      has_prompt = true;
+    } else if (key == "max_tokens") {
+      if (!(e = GetInt(v, key, 1, std::numeric_limits<int32_t>::max(), &i))) r.set_max_new_tokens(static_cast<int32_t>(i));
+    } else if (key == "temperature") {
+      if (!(e = GetNumber(v, key, &d))) r.set_temperature(static_cast<float>(d));
+    } else if (key == "top_p") {
+      if (!(e = GetNumber(v, key, &d))) r.set_top_p(static_cast<float>(d));
+    } else if (key == "repetition_penalty") {
+      if (!(e = GetNumber(v, key, &d))) r.set_repetition_penalty(static_cast<float>(d));
+    } else if (key == "top_k") {  // vLLM's -1 is relgen's 0: off
+      if (!(e = GetInt(v, key, -1, std::numeric_limits<int32_t>::max(), &i))) r.set_top_k(i < 0 ? 0 : static_cast<int32_t>(i));
+    } else if (key == "n") {
+      if (!(e = GetInt(v, key, 1, kMaxSamples, &i))) r.set_n(static_cast<int32_t>(i));
+    } else if (key == "best_of") {
+      if (!(e = GetInt(v, key, 1, kMaxSamples, &i))) best_of = i;
+    } else if (key == "seed") {
+      if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0)) {
+        return Invalid("seed", "expected an integer in 0..18446744073709551615");
+      }
+      r.set_seed(v.get<uint64_t>());
+    } else if (key == "logprobs") {
+      if (v.is_boolean()) return Invalid("logprobs", "expected the number of alternatives per token, 0..20");
+      if (!(e = GetInt(v, key, 0, kMaxLogprobs, &i))) {
+        c->logprobs = static_cast<int>(i);
+        r.set_logprobs(c->logprobs);
+      }
+    } else if (key == "stop") {
+      if (v.is_string()) {
+        r.add_stop(v.get<std::string>());
+      } else if (v.is_array()) {
+        for (const json& s : v) {
+          if (!s.is_string()) return Invalid("stop", "expected a string or an array of strings");
+          r.add_stop(s.get<std::string>());
+        }
+      } else {
+        return Invalid("stop", "expected a string or an array of strings");
+      }
+    } else if (key == "stop_token_ids") {
+      std::vector<int32_t> ids;
+      if (!v.is_array()) return Invalid("stop_token_ids", "expected an array of token ids");
+      if (!(e = GetIds(v, key, &ids))) {
+        for (int32_t t : ids) r.add_stop_token_ids(t);
+      }
+    } else if (key == "ignore_eos") {
+      bool b = false;
+      if (!(e = GetBool(v, key, &b))) r.set_ignore_eos(b);
+    } else if (key == "echo") {
+      e = GetBool(v, key, &c->echo);
+    } else if (key == "stream") {
+      e = GetBool(v, key, &c->stream);
+    } else if (key == "stream_options") {
+      if (!v.is_object()) return Invalid("stream_options", "expected an object");
+      has_stream_options = true;
+      for (const auto& [k2, v2] : v.items()) {
+        if (k2 != "include_usage") {
+          return Invalid("stream_options", absl::StrCat("unknown field '", k2, "'; allowed: include_usage"));
+        }
+        if (!v2.is_null() && (e = GetBool(v2, "stream_options.include_usage", &c->include_usage))) return e;
+      }
+    } else if (key == "user") {
+      if (!v.is_string()) return Invalid("user", "expected a string");
+    } else if (key == "presence_penalty" || key == "frequency_penalty") {
+      if (!(e = GetNumber(v, key, &d)) && d != 0) return Invalid(key, "not supported; allowed 0 only");
+    } else if (key == "logit_bias") {
+      if (!v.is_object() || !v.empty()) return Invalid(key, "not supported; allowed {} only");
+    } else if (key == "suffix") {
+      if (!v.is_string() || !v.get<std::string>().empty()) return Invalid(key, "not supported; allowed \"\" only");
+    } else if (key == "min_tokens") {
+      if (!(e = GetInt(v, key, 0, 0, &i))) continue;
+      e->message = "min_tokens: not supported; allowed 0 only";
+    } else {
+      return Invalid(key, absl::StrCat("unknown field '", key,
+                                       "'; docs/operations.md lists the fields /v1/completions takes"));
+    }
+    if (e) return e;
+  }
+  if (c->model.empty()) return Invalid("model", "missing; give the served model's name (GET /v1/models)");
+  if (!has_prompt) return Invalid("prompt", "missing");
+  if (best_of && *best_of != (r.has_n() ? r.n() : 1)) return Invalid("best_of", "not supported; allowed equal to n only");
+  if (has_stream_options && !c->stream) return Invalid("stream_options", "only with stream: true");
+  if (c->echo && c->logprobs >= 0) r.set_prompt_logprobs(c->logprobs);
+  return std::nullopt;
+}
+
+// OpenAI's logprobs object, built token by token. A token's text_offset counts the characters of
+// the text decoded before it, so offsets index the choice's text.
+class Logprobs {
+ public:
+  explicit Logprobs(const Tokenizer* tok) : tok_(tok), decoder_(tok->NewStream()) {}
+  void Add(int32_t token, std::optional<float> logprob, const std::vector<TokenLogprob>* top) {
+    tokens_.push_back(tok_->TokenText(token));
+    token_logprobs_.push_back(logprob ? json(*logprob) : json(nullptr));
+    if (top == nullptr) {
+      top_.push_back(nullptr);
+    } else {
+      json alts = json::object();
+      for (const TokenLogprob& a : *top) {
+        const std::string t = tok_->TokenText(a.token);
+        if (!alts.contains(t)) alts[t] = a.logprob;  // most likely first: keep it where texts repeat
+      }
+      top_.push_back(std::move(alts));
+    }
+    offsets_.push_back(offset_);
+    offset_ += Chars(decoder_->Push(token));
+  }
+  void Add(const SampleResult& r) { Add(r.token, r.logprob, &r.top); }
+  json Take() {
+    json j{{"tokens", std::move(tokens_)}, {"token_logprobs", std::move(token_logprobs_)},
+           {"top_logprobs", std::move(top_)}, {"text_offset", std::move(offsets_)}};
+    tokens_ = json::array();
+    token_logprobs_ = json::array();
+    top_ = json::array();
+    offsets_ = json::array();
+    return j;
+  }
+
+ private:
+  const Tokenizer* tok_;
+  std::unique_ptr<StreamDecoder> decoder_;
+  int64_t offset_ = 0;
+  json tokens_ = json::array(), token_logprobs_ = json::array(), top_ = json::array(), offsets_ = json::array();
+};
+
+// One prompt's admission and what its echo needs.
+struct PromptState {
+  GenerationService::Admission admission;
+  std::string echo_text;
+  std::vector<SampleResult> prompt_logprobs;  // sample 0 delivers them
+  bool prompt_logprobs_read = false;
+};
+
+struct Choice {
+  int index = 0;
+  int prompt = 0;
+  int sample = 0;
+  std::shared_ptr<RequestHandle> handle;
+  std::string text;
+  std::unique_ptr<Logprobs> logprobs;
+  bool started = false;  // its echo is out (stream) or taken (unary)
+  bool done = false;
+  FinishReason finish = FinishReason::kNone;
+  int generated = 0;
+};
+
+// What a call admitted: its prompts and choices, in OpenAI's order (prompt-major).
+struct Call {
+  GenerationService* service = nullptr;
+  Metrics* metrics = nullptr;
+  const Tokenizer* tok = nullptr;
+  std::string id, model;
+  int64_t created = 0;
+  bool echo = false;
+  int logprobs = -1;
+  bool include_usage = false;
+  std::vector<PromptState> prompts;
+  std::vector<Choice> choices;
+  bool booked = false;  // its error, if any, is in the books
+  bool done = false;    // every choice finished and answered
+
+  ~Call() {
+    CancelAll();  // a finished request stays as it finished
+    for (PromptState& p : prompts) {
+      if (!p.admission.handles.empty()) service->CallDone();
+    }
+  }
+  void CancelAll() {
+    for (PromptState& p : prompts) {
+      for (const auto& h : p.admission.handles) h->Cancel();
+    }
+  }
+  void Book(grpc::StatusCode code) {
+    if (booked) return;
+    booked = true;
+    metrics->OnRefused(code, Api::kHttp);
+  }
+  // The echo before a choice's first output: the prompt's text, and its tokens' log-probabilities.
+  void Echo(Choice& ch) {
+    ch.started = true;
+    if (!echo) return;
+    const PromptState& p = prompts[ch.prompt];
+    ch.text.insert(0, p.echo_text);
+    if (logprobs < 0) return;
+    const std::vector<int32_t>& ids = p.admission.prompt;
+    if (!ids.empty()) ch.logprobs->Add(ids[0], std::nullopt, nullptr);
+    for (const SampleResult& r : p.prompt_logprobs) ch.logprobs->Add(r);
+  }
+  // Takes a read output into the choice. Returns the final status (OK until the last output).
+  grpc::Status Take(Choice& ch, Output& o) {
+    PromptState& p = prompts[ch.prompt];
+    if (ch.sample == 0 && !p.prompt_logprobs_read) {
+      p.prompt_logprobs = std::move(o.prompt_logprobs);
+      p.prompt_logprobs_read = true;
+    }
+    if (!ch.started) Echo(ch);
+    ch.text += o.text;
+    if (logprobs >= 0) {
+      for (const SampleResult& r : o.logprobs) ch.logprobs->Add(r);
+    }
+    if (!o.finished) return grpc::Status::OK;
+    ch.done = true;
+    ch.finish = o.finish_reason;
+    ch.generated = o.generated_tokens;
+    return FinalStatus(o);
+  }
+  // A choice of a call with echo and logprobs waits for its prompt's log-probabilities (sample 0's).
+  bool Ready(const Choice& ch) const {
+    return ch.started || ch.sample == 0 || !echo || logprobs < 0 || prompts[ch.prompt].prompt_logprobs_read;
+  }
+  json ChoiceJson(Choice& ch) {
+    json c{{"index", ch.index}, {"text", std::move(ch.text)}};
+    c["logprobs"] = logprobs >= 0 ? ch.logprobs->Take() : json(nullptr);
+    c["finish_reason"] = ch.done ? json(FinishName(ch.finish)) : json(nullptr);
+    ch.text.clear();
+    return c;
+  }
+  json Usage() const {
+    int prompt_tokens = 0, completion = 0;
+    for (const PromptState& p : prompts) prompt_tokens += p.admission.prompt_tokens;
+    for (const Choice& ch : choices) completion += ch.generated;
+    return json{{"prompt_tokens", prompt_tokens}, {"completion_tokens", completion},
+                {"total_tokens", prompt_tokens + completion}};
+  }
+  json Envelope(json choices_json) const {
+    return json{{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model},
+                {"choices", std::move(choices_json)}};
+  }
+};
+
+// Wakes a stream's writer when the engine delivers output to any of its requests.
+struct Wakeup {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool pending = false;
+  void Notify() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      pending = true;
+    }
+    cv.notify_one();
+  }
+  // Waits up to `timeout` for a notification since the last wait.
+  void Wait(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, timeout, [this] { return pending; });
+    pending = false;
+  }
+};
+
+}  // namespace
+
+OpenAiApi::OpenAiApi(GenerationService* service, Metrics* metrics)
+    : service_(service),
+      metrics_(metrics),
+      created_(std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+                   .count()) {}
+
+void OpenAiApi::Register(httplib::Server* server) {
+  server->Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { Completions(req, res); });
+  server->Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) { Models(req, res); });
+  server->Post("/v1/chat/completions", [](const httplib::Request&, httplib::Response& res) {
+    ReplyError(res, ApiError{grpc::StatusCode::NOT_FOUND,
+                             "chat completions are not served: relgen does not render chat templates; send the "
+                             "rendered prompt to POST /v1/completions",
+                             "", "chat_not_supported"});
+  });
+  // Every error without a body of its own (unknown route, body too large, malformed HTTP) gets one
+  // in OpenAI's shape.
+  server->set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    ApiError e;
+    if (res.status == 404) {
+      e = ApiError{grpc::StatusCode::NOT_FOUND,
+                   absl::StrCat("no route ", req.method, " ", req.path,
+                                "; this API serves POST /v1/completions and GET /v1/models"),
+                   "", "not_found"};
+    } else if (res.status == 413) {
+      e = ApiError{grpc::StatusCode::RESOURCE_EXHAUSTED,
+                   absl::StrCat("the request body is larger than ", service_->options().max_message_bytes,
+                                " bytes (--max_message_bytes)"),
+                   "", "request_too_large", 413};
+      if (req.path == "/v1/completions") {
+        metrics_->OnReceived(Api::kHttp);
+        metrics_->OnRejected(e.code, Api::kHttp);
+      }
+    } else {
+      e.message = absl::StrCat("HTTP ", res.status);
+      e.http = res.status;
+    }
+    const int status = res.status;
+    Reply(res, status, ErrorBody(e));
+  });
+}
+
+void OpenAiApi::Models(const httplib::Request& req, httplib::Response& res) {
+  if (grpc::Status auth = CheckAuth(req, service_->options().auth_token); !auth.ok()) {
+    return ReplyError(res, FromStatus(auth));
+  }
+  Engine* engine = service_->engine();
+  if (engine == nullptr) return ReplyError(res, ApiError{grpc::StatusCode::UNAVAILABLE, "the model is loading", "", ""});
+  const ModelConfig& c = engine->model().config();
+  json model{{"id", c.name}, {"object", "model"}, {"created", created_}, {"owned_by", "relgen"},
+             {"max_model_len", c.max_seq_len}};
+  Reply(res, 200, json{{"object", "list"}, {"data", json::array({std::move(model)})}});
+}
+
+void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res) {
+  metrics_->OnReceived(Api::kHttp);
+  auto refuse = [&](const ApiError& e) {
+    metrics_->OnRejected(e.code, Api::kHttp);
+    ReplyError(res, e);
+  };
+  const grpc::Status auth = CheckAuth(req, service_->options().auth_token);
+  if (!auth.ok()) return refuse(FromStatus(auth));
+  Engine* engine = service_->engine();
+  if (engine == nullptr) return refuse(ApiError{grpc::StatusCode::UNAVAILABLE, "the model is loading", "", ""});
+  json body;
+  try {
+    body = json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    return refuse(Invalid("body", absl::StrCat("not JSON: ", e.what())));
+  }
+  Completion c;
+  if (auto e = ParseCompletion(body, &c)) return refuse(*e);
+  const ModelConfig& config = engine->model().config();
+  if (c.model != config.name) {
+    return refuse(ApiError{grpc::StatusCode::NOT_FOUND,
+                           absl::StrCat("model '", c.model, "' is not served here; this server serves '", config.name, "'"),
+                           "model", "model_not_found"});
+  }
+  std::vector<v1::GenerateRequest> requests;
+  for (size_t i = 0; i < c.prompts.size(); ++i) {
+    v1::GenerateRequest r = c.base;
+    const Prompt& p = c.prompts[i];
+    if (p.is_text) {
+      r.set_text(p.text);
+    } else {
+      r.mutable_token_ids()->mutable_ids()->Add(p.ids.begin(), p.ids.end());
+    }
+    // Every prompt is checked before any is submitted, so a bad one in a batch costs no work.
+    Request checked;
+    if (grpc::Status s = ToEngineRequest(r, config, engine->tokenizer(), service_->options(), &checked); !s.ok()) {
+      ApiError e = FromStatus(s);
+      if (c.prompts.size() > 1) e.message = absl::StrCat("prompt[", i, "]: ", e.message);
+      return refuse(e);
+    }
+    requests.push_back(std::move(r));
+  }
+
+  auto call = std::make_shared<Call>();
+  call->service = service_;
+  call->metrics = metrics_;
+  call->tok = &engine->tokenizer();
+  call->model = config.name;
+  call->created =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  call->echo = c.echo;
+  call->logprobs = c.logprobs;
+  call->include_usage = c.include_usage;
+  call->prompts.resize(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    PromptState& p = call->prompts[i];
+    if (grpc::Status s = service_->SubmitFromHttp(requests[i], auth, &p.admission); !s.ok()) {
+      call.reset();  // cancels what was admitted
+      return refuse(FromStatus(s));
+    }
+    if (c.echo) {
+      p.echo_text = c.prompts[i].is_text ? c.prompts[i].text : engine->tokenizer().Decode(c.prompts[i].ids);
+    }
+    for (size_t j = 0; j < p.admission.handles.size(); ++j) {
+      Choice ch;
+      ch.index = static_cast<int>(call->choices.size());
+      ch.prompt = static_cast<int>(i);
+      ch.sample = static_cast<int>(j);
+      ch.handle = p.admission.handles[j];
+      ch.logprobs = std::make_unique<Logprobs>(&engine->tokenizer());
+      call->choices.push_back(std::move(ch));
+    }
+  }
+  call->id = "cmpl-" + call->prompts[0].admission.request_id;
+
+  if (!c.stream) {
+    // Samples in order: sample 0 delivers its prompt's log-probabilities before the others need them.
+    for (Choice& ch : call->choices) {
+      Output o;
+      while (!ch.done && ch.handle->Next(&o)) {
+        if (grpc::Status s = call->Take(ch, o); !s.ok()) {
+          call->Book(s.error_code());
+          call->CancelAll();
+          return ReplyError(res, FromStatus(s));
+        }
+      }
+    }
+    json choices = json::array();
+    for (Choice& ch : call->choices) choices.push_back(call->ChoiceJson(ch));
+    json out = call->Envelope(std::move(choices));
+    out["usage"] = call->Usage();
+    return Reply(res, 200, out);
+  }
+
+  auto wakeup = std::make_shared<Wakeup>();
+  for (Choice& ch : call->choices) ch.handle->SetListener([wakeup] { wakeup->Notify(); });
+  const double timeout_s = service_->options().stream_write_timeout_seconds;
+  Metrics* metrics = metrics_;
+  size_t next = 0;  // the choice whose turn it is: a fast one cannot starve the others
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [call, wakeup, timeout_s, metrics, next](size_t, httplib::DataSink& sink) mutable {
+        auto write = [&](const std::string& event) {
+          const auto start = std::chrono::steady_clock::now();
+          if (sink.write(event.data(), event.size())) return true;
+          const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          if (timeout_s > 0 && waited >= 0.9 * timeout_s) metrics->OnStreamWriteTimeout();
+          call->CancelAll();
+          call->Book(grpc::StatusCode::CANCELLED);
+          return false;
+        };
+        auto finish = [&] {
+          call->done = true;
+          sink.done();
+          return true;
+        };
+        bool any = false;
+        const size_t k = call->choices.size();
+        for (size_t step = 0; step < k; ++step) {
+          Choice& ch = call->choices[(next + step) % k];
+          if (ch.done || !call->Ready(ch)) continue;
+          Output o;
+          if (!ch.handle->Next(&o, absl::ZeroDuration())) continue;
+          any = true;
+          next = ch.index + 1;
+          if (grpc::Status s = call->Take(ch, o); !s.ok()) {
+            call->Book(s.error_code());
+            call->CancelAll();
+            if (!write("data: " + Dump(ErrorBody(FromStatus(s))) + "\n\ndata: [DONE]\n\n")) return false;
+            return finish();
+          }
+          json chunk = call->Envelope(json::array({call->ChoiceJson(ch)}));
+          if (call->include_usage) chunk["usage"] = nullptr;
+          if (!write("data: " + Dump(chunk) + "\n\n")) return false;
+        }
+        bool all_done = true;
+        for (const Choice& ch : call->choices) all_done &= ch.done;
+        if (all_done) {
+          std::string tail;
+          if (call->include_usage) {
+            json usage = call->Envelope(json::array());
+            usage["usage"] = call->Usage();
+            tail = "data: " + Dump(usage) + "\n\n";
+          }
+          if (!write(tail + "data: [DONE]\n\n")) return false;
+          return finish();
+        }
+        // Nothing readable: wait for the engine, a second at most, so the listener checks the
+        // connection and its own shutdown between waits.
+        if (!any) wakeup->Wait(std::chrono::milliseconds(1000));
+        return true;
+      },
+      [call](bool) {
+        // The response is over, written or not: a call cut short (the client left, the listener
+        // stopped) is cancelled and booked; ~Call frees its requests.
+        if (!call->done) {
+          call->CancelAll();
+          call->Book(grpc::StatusCode::CANCELLED);
+        }
+      });
+}
+
+}  // namespace relgen::server
