@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -544,6 +545,65 @@ class BearerTokenTest(OpenAIApiTestCase):
         with httpx.Client(base_url=f"http://{self.server.http}", timeout=60) as http:
             response = http.post("/v1/completions", json={"model": "engine-skew", "prompt": "relgen", "max_tokens": 4})
             self.assert_raw_error(response, 401)
+
+
+class QueueAndDrainTest(OpenAIApiTestCase):
+    """429 when the queue is full and 503 while draining, each state made with the server's test hooks
+    (the engine held before its next step), never with timing."""
+
+    def test_full_queue_is_429_and_draining_is_503(self):
+        server = Server("--max_waiting", "1", "--enable_test_hooks", "--drain_grace_seconds", "60")
+        admin = httpx.Client(base_url=f"http://{server.metrics}", timeout=60)
+        try:
+            def waiting():
+                for line in admin.get("/metrics").text.splitlines():
+                    if line.startswith("relgen_num_requests_waiting "):
+                        return float(line.split()[1])
+                return -1
+
+            def until(predicate):
+                for _ in range(2400):  # a bound for a failing test only
+                    if predicate():
+                        return
+                    time.sleep(0.05)
+                self.fail("the server never reached the state")
+
+            with openai_client(server) as client:
+                model = client.models.list().data[0].id
+
+                def held():  # a request queued behind the held engine, answered once it goes on
+                    return client.completions.create(model=model, prompt="held", max_tokens=3,
+                                                     extra_body={"ignore_eos": True})
+
+                self.assertEqual(admin.post("/testing/pause").status_code, 200)
+                first = threading.Thread(target=lambda: results.append(held()))
+                results = []
+                first.start()
+                until(lambda: waiting() == 1)
+                with self.assertRaises(openai.RateLimitError) as raised:
+                    held()
+                self.assert_error(raised, 429, "rate_limit_error", names=("queue is full",))
+                self.assertEqual(admin.post("/testing/resume").status_code, 200)
+                first.join()
+                self.assertEqual(results[0].usage.completion_tokens, 3)
+
+                # Draining: a request in flight keeps the server draining until it is let go.
+                self.assertEqual(admin.post("/testing/pause").status_code, 200)
+                second = threading.Thread(target=lambda: results.append(held()))
+                second.start()
+                until(lambda: waiting() == 1)
+                server.proc.send_signal(signal.SIGTERM)
+                until(lambda: admin.get("/readyz").status_code == 503)
+                with self.assertRaises(openai.InternalServerError) as raised:
+                    held()
+                self.assert_error(raised, 503, "server_error", names=("draining",))
+                self.assertEqual(admin.post("/testing/resume").status_code, 200)
+                second.join()
+                self.assertEqual(results[1].usage.completion_tokens, 3)
+            self.assertEqual(server.proc.wait(timeout=60), 0, server.log())
+        finally:
+            admin.close()
+            server.stop()
 
 
 class ReadmeExamplesTest(unittest.TestCase):
