@@ -1581,6 +1581,80 @@ TEST(CudaSamplerTest, ExactDistributionPerControl) {
   }
 }
 
+// The controls of tests/sampling_reference.h's ControlCases, laid out for the device by hand
+// (sampler_kernels.h, DeviceQuery::controls_offset): each kept token's midpoint draw returns it,
+// a greedy query the reference's argmax, as SamplerTest.ControlsMatchTheReference on the host.
+TEST(CudaSamplerTest, ControlsMatchTheReference) {
+  REQUIRE_GPU();
+  const int v = 48;
+  const std::vector<float> logits = NormalLogits(v, 5 + v, 1.5f);
+  auto controls = [](const SamplingParams& p, int index) {
+    std::vector<int32_t> c = {static_cast<int32_t>(p.logit_bias.size())};
+    for (const auto& [t, b] : p.logit_bias) {
+      int32_t bits;
+      std::memcpy(&bits, &b, sizeof(bits));
+      c.insert(c.end(), {t, bits});
+    }
+    c.push_back(static_cast<int32_t>(p.allowed_token_ids.size()));
+    c.insert(c.end(), p.allowed_token_ids.begin(), p.allowed_token_ids.end());
+    const bool bans = index < p.min_tokens;
+    c.push_back(bans ? static_cast<int32_t>(p.min_tokens_banned.size()) : 0);
+    if (bans) c.insert(c.end(), p.min_tokens_banned.begin(), p.min_tokens_banned.end());
+    c.push_back(static_cast<int32_t>(p.bad_words.size()));
+    for (const auto& w : p.bad_words) {
+      c.push_back(static_cast<int32_t>(w.size()));
+      c.insert(c.end(), w.begin(), w.end());
+    }
+    return c;
+  };
+  for (const SamplingParams& p : ControlCases()) {
+    SCOPED_TRACE(Describe(p));
+    const std::vector<double> ref = ReferenceProbs(logits, p, kControlHistory, kControlIndex);
+    std::vector<double> u;
+    std::vector<int32_t> want;
+    double cum = 0;
+    for (int t = 0; t < v; ++t) {
+      // The device counts mass in units of 2^-40 of the largest weight: a token far below one
+      // (the -100 bias) is never drawn there, and its interval is too thin to aim at.
+      if (ref[t] > 1e-9) {
+        u.push_back(cum + ref[t] / 2);
+        want.push_back(t);
+      }
+      cum += ref[t];
+    }
+    ASSERT_FALSE(want.empty());
+    // Each query its own row, history and controls (a draw processes them in place).
+    std::vector<float> rows;
+    std::vector<int32_t> words;
+    std::vector<cuda::DeviceQuery> queries;
+    for (size_t i = 0; i < want.size(); ++i) {
+      cuda::DeviceQuery q = DrawQuery(p, static_cast<int>(i), static_cast<int>(kControlHistory.size()));
+      q.index = kControlIndex;
+      q.presence_penalty = p.presence_penalty;
+      q.frequency_penalty = p.frequency_penalty;
+      q.min_p = p.min_p;
+      q.history_offset = static_cast<int>(words.size());
+      words.insert(words.end(), kControlHistory.begin(), kControlHistory.end());
+      q.controls_offset = static_cast<int>(words.size());
+      const std::vector<int32_t> c = controls(p, kControlIndex);
+      words.insert(words.end(), c.begin(), c.end());
+      rows.insert(rows.end(), logits.begin(), logits.end());
+      queries.push_back(q);
+    }
+    const std::vector<cuda::DeviceAnswer> got = AnswerOnDevice(rows, v, queries, words, u);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].token, want[i]) << "u " << u[i];
+  }
+  // Every token banned: the answer is -1.
+  SamplingParams p;
+  p.temperature = 0;
+  p.allowed_token_ids = {7};
+  p.bad_words = {{7}};
+  cuda::DeviceQuery q = DrawQuery(p, 0, 0);
+  q.controls_offset = 0;
+  const std::vector<cuda::DeviceAnswer> banned = AnswerOnDevice(logits, v, {q}, controls(p, 0), {0.5});
+  EXPECT_EQ(banned[0].token, -1);
+}
+
 // Greedy (with the penalty), log-probabilities of the raw logits with their alternatives, scores of
 // given tokens, and Philox's draw: each against the float64 reference, and each the same alone as in
 // a batch beside the others (rows of one seed differ by their index alone).
@@ -1679,9 +1753,18 @@ void ExpectLaunchAheadEqualsOneAtATime(const std::function<std::unique_ptr<Backe
   penalised.seed = 7;
   penalised.repetition_penalty = 1.5f;
   penalised.logprobs = 2;
+  // The controls that read the output (the fed draws) and those that do not.
+  penalised.presence_penalty = 0.6f;
+  penalised.frequency_penalty = 0.3f;
+  penalised.bad_words = {{9, 8}, {7, 7, 3}};
   SamplingParams top_p = penalised;
   top_p.repetition_penalty = 1.0f;
+  top_p.presence_penalty = top_p.frequency_penalty = 0.0f;
   top_p.top_p = 0.9f;
+  top_p.min_p = 0.05f;
+  top_p.logit_bias = {{3, 1.5f}, {100, -2.0f}};
+  top_p.min_tokens = 3;
+  top_p.min_tokens_banned = {0, 3};
   const SamplingParams* params[] = {&greedy, &penalised, &top_p};
   constexpr int kSteps = 5;  // the prefill, then four decode steps
   const int n = static_cast<int>(prompts.size());
@@ -1959,6 +2042,14 @@ TEST(CudaEmulatorTest, DecodeStepCopiesBackOnlyTheAnswers) {
   SamplingParams with_lp = greedy;
   with_lp.logprobs = 3;
   with_lp.repetition_penalty = 1.3f;
+  // The other controls, packed by the backend: the host's choices on the same logits.
+  with_lp.presence_penalty = 1.1f;
+  with_lp.frequency_penalty = 0.7f;
+  with_lp.logit_bias = {{5, 2.0f}, {8, -3.0f}};
+  with_lp.bad_words = {{7, 11}, {13}};
+  with_lp.allowed_token_ids = {};
+  with_lp.min_tokens = 2;
+  with_lp.min_tokens_banned = {0};
   std::vector<SequenceStep> prefill;
   for (size_t i = 0; i < prompts.size(); ++i) prefill.push_back({prompts[i], 0, tables[i], false});
   std::vector<RowQuery> queries(prompts.size());

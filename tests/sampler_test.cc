@@ -7,9 +7,11 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/backends/sampler.h"
 #include "kernels/philox.h"
 #include "tests/sampling_reference.h"
@@ -34,13 +36,13 @@ std::map<int32_t, double> Frequencies(const std::vector<float>& logits, const Sa
 // Sweeps the draw over a grid of u: the share of u choosing each token is its probability to
 // within the grid's spacing, exactly, with no statistical slack.
 void ExpectExactDistribution(const std::vector<float>& logits, const SamplingParams& p,
-                             const std::vector<int32_t>& history) {
-  const std::vector<double> ref = ReferenceProbs(logits, p, history);
+                             const std::vector<int32_t>& history, int index = 0) {
+  const std::vector<double> ref = ReferenceProbs(logits, p, history, index);
   constexpr int kGrid = 30000;
   std::vector<double> share(logits.size(), 0.0);
   SamplerScratch scratch;
   for (int j = 0; j < kGrid; ++j) {
-    share[DrawToken(logits, p, history, (j + 0.5) / kGrid, &scratch)] += 1.0 / kGrid;
+    share[DrawToken(logits, p, history, (j + 0.5) / kGrid, &scratch, index)] += 1.0 / kGrid;
   }
   int kept = 0;
   for (size_t t = 0; t < ref.size(); ++t) {
@@ -166,6 +168,72 @@ TEST(SamplerTest, ExactDistributionPerControl) {
       ExpectExactDistribution(logits, p, history);
     }
   }
+}
+
+// The controls beside the penalty, alone and with temperature, top-k, top-p and the repetition
+// penalty (tests/sampling_reference.h, ControlCases): the draw's distribution is the reference's
+// exactly, and greedy takes the reference's argmax.
+TEST(SamplerTest, ControlsMatchTheReference) {
+  for (int v : {48, 300}) {
+    const std::vector<float> logits = NormalLogits(v, 5 + v, 1.5f);
+    for (const SamplingParams& p : ControlCases()) {
+      SCOPED_TRACE(testing::Message() << "vocab " << v << " " << Describe(p));
+      if (p.temperature > 0) {
+        ExpectExactDistribution(logits, p, kControlHistory, kControlIndex);
+      } else {
+        const std::vector<double> ref = ReferenceProbs(logits, p, kControlHistory, kControlIndex);
+        SamplerScratch scratch;
+        EXPECT_EQ(ref[Sample(logits, p, kControlHistory, kControlIndex, &scratch).token], 1.0);
+      }
+    }
+  }
+}
+
+// Each control changes what is drawn in the way its definition says, on a row where the effect is
+// known by hand.
+TEST(SamplerTest, ControlsByHand) {
+  SamplerScratch scratch;
+  const std::vector<float> logits = {2.0f, 1.0f, 0.5f, 0.0f};
+  auto greedy = [&](SamplingParams p, std::vector<int32_t> history, int index) {
+    p.temperature = 0;
+    return Sample(logits, p, history, index, &scratch).token;
+  };
+  SamplingParams p;
+  EXPECT_EQ(greedy(p, {}, 0), 0);
+  p.presence_penalty = 0.9f;  // 2 - 0.9 = 1.1 > 1: still 0; twice with frequency 0.1: 2 - 0.2 - 0.9 = 0.9 < 1
+  EXPECT_EQ(greedy(p, {0}, 1), 0);
+  p.frequency_penalty = 0.1f;
+  EXPECT_EQ(greedy(p, {0, 0}, 2), 1);
+  EXPECT_EQ(greedy(p, {0, 0}, 0), 0) << "the prompt's tokens are not the output's";
+  p = {};
+  p.logit_bias = {{3, 2.5f}};  // 0 + 2.5 > 2
+  EXPECT_EQ(greedy(p, {}, 0), 3);
+  p = {};
+  p.allowed_token_ids = {1, 2};
+  EXPECT_EQ(greedy(p, {}, 0), 1);
+  p = {};
+  p.bad_words = {{2, 0}};
+  EXPECT_EQ(greedy(p, {1}, 1), 0);
+  EXPECT_EQ(greedy(p, {2}, 1), 1);
+  p = {};
+  p.min_tokens = 2;
+  p.min_tokens_banned = {0};
+  EXPECT_EQ(greedy(p, {}, 1), 1);
+  EXPECT_EQ(greedy(p, {}, 2), 0);
+  // Every token banned: nothing is drawn, greedy or sampled.
+  p = {};
+  p.allowed_token_ids = {2};
+  p.bad_words = {{2}};
+  EXPECT_EQ(greedy(p, {}, 0), -1);
+  p.temperature = 0.7f;
+  EXPECT_EQ(Sample(logits, p, {}, 0, &scratch).token, -1);
+  // min_p 0.5 at temperature 1: w = exp(x - 2) keeps 1 (w 1) and 0.37 < 0.5 cuts token 1.
+  p = {};
+  p.min_p = 0.5f;
+  for (double u : {0.0, 0.5, 0.999}) EXPECT_EQ(DrawToken(logits, p, {}, u, &scratch), 0);
+  p.min_p = 0.3f;  // keeps 0 and 1 (w 0.368): u past 1 / 1.368 draws token 1
+  EXPECT_EQ(DrawToken(logits, p, {}, 0.7, &scratch), 0);
+  EXPECT_EQ(DrawToken(logits, p, {}, 0.75, &scratch), 1);
 }
 
 // A full BLOOM-sized row: draws land only on the reference's kept tokens, the kept set's first and

@@ -7,16 +7,19 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/backends/sampler.h"
 
 namespace relgen {
 
-// The reference: penalty, then softmax at temperature in float64, candidates sorted (w descending,
-// lower id first), top-k, then the shortest prefix reaching top_p of the kept mass.
-inline std::vector<double> ReferenceProbs(const std::vector<float>& logits, const SamplingParams& p,
-                                   const std::vector<int32_t>& history) {
+// The processed logits in float64: penalty; OpenAI's presence and frequency penalties over the
+// output (the history's last `index` tokens); the bias; -inf outside the allowed ids, for a bad
+// word's last token when the history ends with the rest of it, and for the min_tokens bans.
+inline std::vector<double> ReferenceLogits(const std::vector<float>& logits, const SamplingParams& p,
+                                           const std::vector<int32_t>& history, int index) {
   const int v = static_cast<int>(logits.size());
   std::vector<double> x(logits.begin(), logits.end());
   std::vector<bool> seen(v, false);
@@ -25,7 +28,41 @@ inline std::vector<double> ReferenceProbs(const std::vector<float>& logits, cons
     seen[t] = true;
     x[t] = x[t] > 0 ? x[t] / p.repetition_penalty : x[t] * p.repetition_penalty;
   }
+  std::vector<int> count(v, 0);
+  for (size_t j = history.size() - std::min<size_t>(history.size(), index); j < history.size(); ++j) ++count[history[j]];
+  for (int t = 0; t < v; ++t) {
+    x[t] -= count[t] * static_cast<double>(p.frequency_penalty) + (count[t] > 0 ? p.presence_penalty : 0.0);
+  }
+  for (const auto& [t, b] : p.logit_bias) x[t] += b;
+  if (!p.allowed_token_ids.empty()) {
+    for (int t = 0; t < v; ++t) {
+      if (std::find(p.allowed_token_ids.begin(), p.allowed_token_ids.end(), t) == p.allowed_token_ids.end()) {
+        x[t] = -INFINITY;
+      }
+    }
+  }
+  for (const std::vector<int32_t>& w : p.bad_words) {
+    const size_t k = w.size() - 1;
+    if (k <= history.size() && std::vector<int32_t>(w.begin(), w.end() - 1) ==
+                                   std::vector<int32_t>(history.end() - k, history.end())) {
+      x[w.back()] = -INFINITY;
+    }
+  }
+  if (index < p.min_tokens) {
+    for (int32_t t : p.min_tokens_banned) x[t] = -INFINITY;
+  }
+  return x;
+}
+
+// The reference: the processed logits, then softmax at temperature in float64, candidates sorted
+// (w descending, lower id first), top-k, the shortest prefix reaching top_p of the kept mass, then
+// those with w >= min_p (of the largest, 1). All zero when every token is banned.
+inline std::vector<double> ReferenceProbs(const std::vector<float>& logits, const SamplingParams& p,
+                                          const std::vector<int32_t>& history, int index = 0) {
+  const int v = static_cast<int>(logits.size());
+  const std::vector<double> x = ReferenceLogits(logits, p, history, index);
   std::vector<double> probs(v, 0.0);
+  if (*std::max_element(x.begin(), x.end()) == -INFINITY) return probs;
   if (p.temperature == 0) {
     probs[std::max_element(x.begin(), x.end()) - x.begin()] = 1;
     return probs;
@@ -46,9 +83,67 @@ inline std::vector<double> ReferenceProbs(const std::vector<float>& logits, cons
     keep = n;
     total = cum;
   }
+  if (p.min_p > 0) {
+    while (keep > 1 && w[order[keep - 1]] < p.min_p) --keep;
+    total = 0;
+    for (int i = 0; i < keep; ++i) total += w[order[i]];
+  }
   for (int i = 0; i < keep; ++i) probs[order[i]] = w[order[i]] / total;
   return probs;
 }
+
+// The controls beside the penalty (presence and frequency penalties, logit bias, allowed ids, bad
+// words, min_tokens, min_p), alone and with temperature, top-k, top-p and the repetition penalty:
+// the draw's distribution is the reference's exactly, and greedy takes the reference's argmax.
+// The history is a prompt of 5 tokens and an output of 7 (index 7).
+inline std::vector<SamplingParams> ControlCases() {
+  std::vector<SamplingParams> cases;
+  auto add = [&](float t, int k, float top_p, auto set) {
+    SamplingParams p;
+    p.temperature = t;
+    p.top_k = k;
+    p.top_p = top_p;
+    set(p);
+    cases.push_back(p);
+  };
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.presence_penalty = 1.5f; });
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.frequency_penalty = 0.9f; });
+  add(0.8f, 0, 1.0f, [](SamplingParams& p) { p.presence_penalty = -0.7f, p.frequency_penalty = -1.2f; });
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.logit_bias = {{2, 3.5f}, {11, -100.0f}, {40, 1.25f}}; });
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.allowed_token_ids = {1, 4, 9, 17, 33, 40}; });
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.bad_words = {{6}, {3, 17, 21}, {17, 8}, {9, 9, 12}}; });
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.min_tokens = 8, p.min_tokens_banned = {0, 5, 30}; });
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.min_tokens = 7, p.min_tokens_banned = {0, 5, 30}; });
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.min_p = 0.1f; });
+  add(0.5f, 0, 1.0f, [](SamplingParams& p) { p.min_p = 0.02f; });
+  add(1.4f, 12, 0.9f, [](SamplingParams& p) { p.min_p = 0.05f, p.presence_penalty = 0.5f, p.logit_bias = {{7, 2.0f}}; });
+  add(0.7f, 0, 0.8f, [](SamplingParams& p) {
+    p.repetition_penalty = 1.3f, p.frequency_penalty = 0.4f, p.bad_words = {{17, 21}}, p.allowed_token_ids = {};
+  });
+  add(1.2f, 20, 1.0f, [](SamplingParams& p) {
+    p.allowed_token_ids = {0, 2, 3, 5, 7, 11, 13, 17, 19, 21, 23, 29, 31, 37, 41, 43, 47};
+    p.logit_bias = {{3, -2.0f}, {29, 4.0f}};
+    p.min_tokens = 10, p.min_tokens_banned = {2};
+    p.bad_words = {{41}, {21, 13}};
+    p.min_p = 0.01f;
+    p.repetition_penalty = 0.8f;
+  });
+  add(0.0f, 0, 1.0f, [](SamplingParams& p) { p.presence_penalty = 2.0f, p.frequency_penalty = 2.0f; });
+  add(0.0f, 0, 1.0f, [](SamplingParams& p) { p.logit_bias = {{1, 5.0f}}, p.bad_words = {{21, 1}}; });
+  add(0.0f, 0, 1.0f, [](SamplingParams& p) { p.allowed_token_ids = {8, 30, 44}, p.min_tokens = 9, p.min_tokens_banned = {44}; });
+  return cases;
+}
+
+inline std::string Describe(const SamplingParams& p) {
+  std::string s = absl::StrCat("T ", p.temperature, " top_k ", p.top_k, " top_p ", p.top_p, " rep ", p.repetition_penalty,
+                               " presence ", p.presence_penalty, " frequency ", p.frequency_penalty, " min_p ", p.min_p,
+                               " min_tokens ", p.min_tokens, " bias ", p.logit_bias.size(), " allowed ",
+                               p.allowed_token_ids.size(), " bad words ", p.bad_words.size());
+  return s;
+}
+
+inline const std::vector<int32_t> kControlHistory = {4, 9, 17, 3, 12, /*output:*/ 17, 9, 17, 40, 3, 17, 21};
+inline constexpr int kControlIndex = 7;
 
 // `n` logits drawn from N(0, scale), reproducible by `seed`.
 inline std::vector<float> NormalLogits(int n, uint32_t seed, float scale) {

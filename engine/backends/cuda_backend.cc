@@ -338,9 +338,10 @@ class CudaBackend final : public Backend {
     s.tables = int64_t{options_.max_step_seqs} * per_seq;
     s.fed = options_.max_step_seqs;
     s.max_keys = c.max_seq_len;
-    // A query per kept row at most; a draw per sequence, each with its whole context as history.
+    // A query per kept row at most; a draw per sequence, each with its whole context as history
+    // and its controls.
     s.queries = s.kept;
-    s.history = int64_t{options_.max_step_seqs} * c.max_seq_len;
+    s.history = int64_t{options_.max_step_seqs} * (c.max_seq_len + kMaxControlWords);
     if (c.encoder_decoder) {
       // The scheduler's encoder budget, and an input longer than it encodes whole (alone): up to
       // max_seq_len rows. Cross tables too.
@@ -625,6 +626,42 @@ class CudaBackend final : public Backend {
   int kept_ = 0;  // logits rows of the last step
 };
 
+namespace {
+
+// A draw's controls in the device's layout (sampler_kernels.h, DeviceQuery::controls_offset): how
+// many words, and writing them (returns the end).
+bool BansNow(const SamplingParams& p, int index) { return index < p.min_tokens && !p.min_tokens_banned.empty(); }
+int64_t ControlWords(const SamplingParams& p, int index) {
+  if (p.logit_bias.empty() && p.allowed_token_ids.empty() && p.bad_words.empty() && !BansNow(p, index)) return 0;
+  int64_t n = 4 + 2 * static_cast<int64_t>(p.logit_bias.size()) + static_cast<int64_t>(p.allowed_token_ids.size());
+  if (BansNow(p, index)) n += static_cast<int64_t>(p.min_tokens_banned.size());
+  for (const auto& w : p.bad_words) n += 1 + static_cast<int64_t>(w.size());
+  return n;
+}
+int32_t* PackControls(const SamplingParams& p, int index, int32_t* out) {
+  *out++ = static_cast<int32_t>(p.logit_bias.size());
+  for (const auto& [t, b] : p.logit_bias) {
+    *out++ = t;
+    std::memcpy(out++, &b, sizeof(b));
+  }
+  *out++ = static_cast<int32_t>(p.allowed_token_ids.size());
+  out = std::copy(p.allowed_token_ids.begin(), p.allowed_token_ids.end(), out);
+  if (BansNow(p, index)) {
+    *out++ = static_cast<int32_t>(p.min_tokens_banned.size());
+    out = std::copy(p.min_tokens_banned.begin(), p.min_tokens_banned.end(), out);
+  } else {
+    *out++ = 0;
+  }
+  *out++ = static_cast<int32_t>(p.bad_words.size());
+  for (const auto& w : p.bad_words) {
+    *out++ = static_cast<int32_t>(w.size());
+    out = std::copy(w.begin(), w.end(), out);
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
   const int vocab = model_->config().vocab_size;
   const int n = static_cast<int>(queries.size());
@@ -645,10 +682,11 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
       return absl::InvalidArgumentError(absl::StrCat("a history token fed from query ", r.fed_query,
                                                      " of the previous launch, which answered ", fed_limit));
     }
-    if (r.params != nullptr && r.params->repetition_penalty != 1.0f) {
+    if (r.params != nullptr && r.params->NeedsHistory()) {
       history += static_cast<int64_t>(r.history.size());
       fed += r.fed_query >= 0 ? 1 : 0;
     }
+    if (r.params != nullptr) history += ControlWords(*r.params, r.index);
   }
   StepShape shape;
   shape.queries = n;
@@ -681,7 +719,10 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
       d.top_k = p.top_k;
       d.seed = p.seed;
       d.index = r.index;
-      if (p.repetition_penalty != 1.0f) {
+      d.presence_penalty = p.presence_penalty;
+      d.frequency_penalty = p.frequency_penalty;
+      d.min_p = p.min_p;
+      if (p.NeedsHistory()) {
         d.history_offset = offset;
         d.history_len = static_cast<int32_t>(r.history.size());
         std::copy(r.history.begin(), r.history.end(), h + offset);
@@ -691,6 +732,10 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
           feeds[2 * f + 1] = r.fed_query;
           ++f;
         }
+      }
+      if (ControlWords(p, r.index) > 0) {
+        d.controls_offset = offset;
+        offset = PackControls(p, r.index, h + offset) - h;
       }
     }
     q[i] = d;

@@ -152,20 +152,62 @@ int32_t Argmax(absl::Span<const float> x) {
   return 0;
 }
 
-// Applies the repetition penalty to a copy when there is one.
-absl::Span<const float> Penalised(absl::Span<const float> logits, const SamplingParams& p,
-                                  absl::Span<const int32_t> history, SamplerScratch* s) {
-  if (p.repetition_penalty == 1.0f || history.empty()) return logits;
+// Steps 1-4 of the definitions, on a copy when any applies. *none_left: every token banned.
+absl::Span<const float> Processed(absl::Span<const float> logits, const SamplingParams& p,
+                                  absl::Span<const int32_t> history, int index, SamplerScratch* s, bool* none_left) {
+  *none_left = false;
+  const bool penalty = p.repetition_penalty != 1.0f && !history.empty();
+  if (!penalty && !p.ProcessesRow(index)) return logits;
   const int v = static_cast<int>(logits.size());
   s->x.assign(logits.begin(), logits.end());
-  s->ids.assign(history.begin(), history.end());
-  std::sort(s->ids.begin(), s->ids.end());
-  s->ids.erase(std::unique(s->ids.begin(), s->ids.end()), s->ids.end());
-  for (int32_t t : s->ids) {
-    if (t < 0 || t >= v) continue;
-    float& l = s->x[t];
-    l = l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty;
+  auto valid = [&](int32_t t) { return t >= 0 && t < v; };
+  if (penalty) {
+    s->ids.assign(history.begin(), history.end());
+    std::sort(s->ids.begin(), s->ids.end());
+    s->ids.erase(std::unique(s->ids.begin(), s->ids.end()), s->ids.end());
+    for (int32_t t : s->ids) {
+      if (!valid(t)) continue;
+      float& l = s->x[t];
+      l = l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty;
+    }
   }
+  if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+    const size_t out = std::min(history.size(), static_cast<size_t>(std::max(index, 0)));
+    s->ids.assign(history.end() - out, history.end());
+    std::sort(s->ids.begin(), s->ids.end());
+    for (size_t i = 0; i < s->ids.size();) {
+      size_t j = i;
+      while (j < s->ids.size() && s->ids[j] == s->ids[i]) ++j;
+      if (valid(s->ids[i])) {
+        float& l = s->x[s->ids[i]];
+        const float f = p.frequency_penalty * static_cast<float>(j - i);
+        l = l - f;
+        l = l - p.presence_penalty;
+      }
+      i = j;
+    }
+  }
+  for (const auto& [t, bias] : p.logit_bias) {
+    if (valid(t)) s->x[t] = s->x[t] + bias;
+  }
+  if (!p.allowed_token_ids.empty()) {
+    size_t k = 0;
+    for (int i = 0; i < v; ++i) {
+      while (k < p.allowed_token_ids.size() && p.allowed_token_ids[k] < i) ++k;
+      if (k == p.allowed_token_ids.size() || p.allowed_token_ids[k] != i) s->x[i] = -INFINITY;
+    }
+  }
+  for (const std::vector<int32_t>& w : p.bad_words) {
+    const size_t prefix = w.size() - 1;
+    if (prefix > history.size() || !valid(w.back())) continue;
+    if (std::equal(w.begin(), w.end() - 1, history.end() - prefix)) s->x[w.back()] = -INFINITY;
+  }
+  if (index < p.min_tokens) {
+    for (int32_t t : p.min_tokens_banned) {
+      if (valid(t)) s->x[t] = -INFINITY;
+    }
+  }
+  *none_left = MaxOf(s->x.data(), v) == -INFINITY;
   return s->x;
 }
 
@@ -222,8 +264,10 @@ Cut FindCut(const float* w, int v, const Cut& prev, bool by_mass, double target,
 double SampleUniform(uint64_t seed, int index) { return philox::Uniform(seed, static_cast<uint64_t>(index)); }
 
 int32_t DrawToken(absl::Span<const float> logits, const SamplingParams& p, absl::Span<const int32_t> history,
-                  double u, SamplerScratch* s) {
-  const absl::Span<const float> x = Penalised(logits, p, history, s);
+                  double u, SamplerScratch* s, int index) {
+  bool none_left = false;
+  const absl::Span<const float> x = Processed(logits, p, history, index, s, &none_left);
+  if (none_left) return -1;
   const int v = static_cast<int>(x.size());
   const float mx = MaxOf(x.data(), v);
   const int chunks = (v + kChunk - 1) / kChunk;
@@ -253,6 +297,13 @@ int32_t DrawToken(absl::Span<const float> logits, const SamplingParams& p, absl:
       KeptMass(w, v, cut, s->chunk.data());
       total = total_of();
     }
+  }
+  if (p.min_p > 0.0f && Key(p.min_p) > cut.bits) {
+    // Keeps w >= min_p: a suffix cut of the same order (the largest w is 1, so one token stays).
+    cut = Cut{Key(p.min_p), std::numeric_limits<int32_t>::max()};
+    all = false;
+    KeptMass(w, v, cut, s->chunk.data());
+    total = total_of();
   }
   // The draw walks the kept ids in id order, a block at a time.
   const double target = u * total;
@@ -315,9 +366,16 @@ SampleResult Sample(absl::Span<const float> logits, const SamplingParams& p, abs
                     int index, SamplerScratch* scratch) {
   int32_t token;
   if (p.temperature == 0.0f) {
-    token = Argmax(Penalised(logits, p, history, scratch));
+    bool none_left = false;
+    const absl::Span<const float> x = Processed(logits, p, history, index, scratch, &none_left);
+    token = none_left ? -1 : Argmax(x);
   } else {
-    token = DrawToken(logits, p, history, SampleUniform(p.seed, index), scratch);
+    token = DrawToken(logits, p, history, SampleUniform(p.seed, index), scratch, index);
+  }
+  if (token < 0) {
+    SampleResult none;
+    none.token = -1;
+    return none;
   }
   if (p.logprobs >= 0) return TokenLogprobs(logits, token, p.logprobs);
   SampleResult out;

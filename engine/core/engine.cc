@@ -221,8 +221,90 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
   return std::move(group->front());
 }
 
+namespace {
+
+// The sampling controls' ranges; sorts the id sets and fills min_tokens_banned.
+absl::Status CheckControls(Request* r, int vocab, int32_t eos) {
+  SamplingParams& p = r->sampling;
+  auto id_ok = [&](int32_t t) { return t >= 0 && t < vocab; };
+  auto bad_id = [&](absl::string_view what, int32_t t) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": token id ", t, " out of range; allowed 0..", vocab - 1));
+  };
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("presence_penalty ", p.presence_penalty, "; allowed -2..2"));
+  }
+  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("frequency_penalty ", p.frequency_penalty, "; allowed -2..2"));
+  }
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("min_p ", p.min_p, "; allowed 0..1"));
+  }
+  if (p.min_tokens < 0 || p.min_tokens > r->stop.max_new_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("min_tokens ", p.min_tokens, "; allowed 0..max_new_tokens (", r->stop.max_new_tokens, ")"));
+  }
+  if (p.logit_bias.size() > kMaxLogitBias) {
+    return absl::InvalidArgumentError(absl::StrCat("logit_bias has ", p.logit_bias.size(), " entries; allowed at most ", kMaxLogitBias));
+  }
+  std::sort(p.logit_bias.begin(), p.logit_bias.end());
+  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
+    const auto [t, b] = p.logit_bias[i];
+    if (!id_ok(t)) return bad_id("logit_bias", t);
+    if (i > 0 && p.logit_bias[i - 1].first == t) {
+      return absl::InvalidArgumentError(absl::StrCat("logit_bias: token id ", t, " given twice"));
+    }
+    if (!(b >= -100.0f && b <= 100.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("logit_bias of token ", t, " is ", b, "; allowed -100..100"));
+    }
+  }
+  std::sort(p.allowed_token_ids.begin(), p.allowed_token_ids.end());
+  p.allowed_token_ids.erase(std::unique(p.allowed_token_ids.begin(), p.allowed_token_ids.end()), p.allowed_token_ids.end());
+  if (p.allowed_token_ids.size() > kMaxAllowedTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("allowed_token_ids has ", p.allowed_token_ids.size(), " ids; allowed at most ", kMaxAllowedTokens));
+  }
+  for (int32_t t : p.allowed_token_ids) {
+    if (!id_ok(t)) return bad_id("allowed_token_ids", t);
+  }
+  if (p.bad_words.size() > kMaxBadWords) {
+    return absl::InvalidArgumentError(absl::StrCat("bad_words has ", p.bad_words.size(), " words; allowed at most ", kMaxBadWords));
+  }
+  size_t words = 0;
+  for (size_t i = 0; i < p.bad_words.size(); ++i) {
+    if (p.bad_words[i].empty()) return absl::InvalidArgumentError(absl::StrCat("bad_words: word ", i, " is empty"));
+    for (int32_t t : p.bad_words[i]) {
+      if (!id_ok(t)) return bad_id(absl::StrCat("bad_words: word ", i), t);
+    }
+    words += p.bad_words[i].size();
+  }
+  if (words > kMaxBadWordTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("bad_words hold ", words, " tokens; allowed at most ", kMaxBadWordTokens));
+  }
+  p.min_tokens_banned.clear();
+  if (p.min_tokens > 0) {
+    p.min_tokens_banned = r->stop.stop_token_ids;
+    if (!r->stop.ignore_eos && eos >= 0) p.min_tokens_banned.push_back(eos);
+    std::sort(p.min_tokens_banned.begin(), p.min_tokens_banned.end());
+    p.min_tokens_banned.erase(std::unique(p.min_tokens_banned.begin(), p.min_tokens_banned.end()), p.min_tokens_banned.end());
+    if (p.min_tokens_banned.size() > kMaxMinTokensBanned) {
+      return absl::InvalidArgumentError(absl::StrCat("min_tokens with ", r->stop.stop_token_ids.size(),
+                                                     " stop token ids; allowed at most ", kMaxMinTokensBanned - 1));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(Request r) {
   const ModelConfig& c = model_->config();
+  if (r.truncate_prompt_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("truncate_prompt_tokens ", r.truncate_prompt_tokens, "; allowed 0 (off) or 1..", c.max_seq_len));
+  }
+  if (r.truncate_prompt_tokens > 0 && static_cast<int>(r.prompt.size()) > r.truncate_prompt_tokens) {
+    r.prompt.erase(r.prompt.begin(), r.prompt.end() - r.truncate_prompt_tokens);
+  }
   const int n = static_cast<int>(r.prompt.size());
   const bool scoring = !r.continuations.empty();
   if (n == 0) return absl::InvalidArgumentError("prompt is empty");
@@ -326,6 +408,7 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
       !(p.repetition_penalty > 0.0f)) {
     return absl::InvalidArgumentError("sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0)");
   }
+  if (absl::Status st = CheckControls(&r, c.vocab_size, c.eos_token_id); !st.ok()) return st;
 
   // The group: one sequence per sample or continuation; the first leads, the rest follow it.
   const int members = scoring ? static_cast<int>(r.continuations.size()) : r.n;
@@ -511,6 +594,19 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   s.handle->Deliver(std::move(o));
 }
 
+void Engine::EndBanned(Seq& s) {
+  Output o;
+  if (s.req.prompt_logprobs >= 0 && !s.prompt_lps_delivered) {
+    o.prompt_logprobs = std::move(s.prompt_lps);
+    s.prompt_lps.clear();
+    s.prompt_lps_delivered = true;
+  }
+  o.text = s.held + s.detok->Finish();
+  s.held.clear();
+  s.handle->Deliver(std::move(o));
+  Finish(s, FinishReason::kStop);
+}
+
 void Engine::EmitToken(Seq& s, const SampleResult& r) {
   ++s.generated;  // the token is in s.tokens already (Land)
   const absl::Time now = absl::Now();
@@ -535,8 +631,10 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
 
   FinishReason reason = FinishReason::kNone;
   const std::vector<std::string>& stops = s.req.stop.stop_strings;
-  size_t cut = std::string::npos;  // earliest stop string in the held text
-  for (const std::string& stop : stops) cut = std::min(cut, s.held.find(stop));
+  size_t cut = std::string::npos;  // earliest stop string in the held text (from min_tokens on)
+  if (s.generated >= s.req.sampling.min_tokens) {
+    for (const std::string& stop : stops) cut = std::min(cut, s.held.find(stop));
+  }
   if (cut != std::string::npos) {
     o.text = s.held.substr(0, cut);
     s.held.clear();
@@ -889,6 +987,10 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
       continue;
     }
     if (draw == nullptr) std::abort();  // BuildInputs asks for a draw exactly here
+    if (draw->token < 0) {
+      EndBanned(s);
+      continue;
+    }
     EmitToken(s, *draw);
   }
   for (auto it = started.rbegin(); it != started.rend(); ++it) waiting_.push_front(std::move(*it));

@@ -31,7 +31,7 @@ enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled, kDeadline, kE
 absl::string_view FinishReasonName(FinishReason r);  // "length", "stop", ...
 
 struct StopCriteria {
-  int max_new_tokens = 128;
+  int max_new_tokens = 128;  // (SamplingParams::min_tokens: the fewest, before EOS, stop ids and strings)
   std::vector<int32_t> stop_token_ids;  // finish after one of these (it is part of the output ids)
   std::vector<std::string> stop_strings;  // finish before one of these would appear in the text
   bool ignore_eos = false;
@@ -64,6 +64,8 @@ struct Request {
   // prompt as input (after decoder_start_token_id). `n`, `stop` and sampling other than logprobs
   // do not apply.
   std::vector<std::vector<int32_t>> continuations;
+  // Keep only the prompt's last N tokens (an encoder-decoder model: the input's); 0: off.
+  int truncate_prompt_tokens = 0;
 };
 
 struct RequestTiming {
@@ -233,6 +235,8 @@ class Engine {
   void Step(bool plan);
   void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus());
   void EmitToken(Seq& s, const SampleResult& r);
+  // The controls banned every token: the text held back is delivered and the sequence ends (stop).
+  void EndBanned(Seq& s);
   // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
   // blocks a sequence has computed.
   void LookupPrefix(Seq& s);

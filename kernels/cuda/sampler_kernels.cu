@@ -95,48 +95,108 @@ __global__ void __launch_bounds__(kThreads) AnswerRowsKernel(float* logits, int 
     return;
   }
 
-  // The repetition penalty, in place: the raw values are kept beside the history first, and a
-  // token is penalised by the one thread its id maps to, so repeats never race.
+  // Processing in place: the raw values of the history's tokens and the bias's are kept first,
+  // and every write to a token of the row is made by one thread, so none races.
   const int32_t* hist = history + q.history_offset;
   float* raw = history_raw + q.history_offset;
+  const int32_t* ctl = q.controls_offset >= 0 ? history + q.controls_offset : nullptr;
+  float* ctl_raw = history_raw + q.controls_offset;
+  const int n_bias = ctl != nullptr ? ctl[0] : 0;
+  auto valid = [&](int32_t t) { return t >= 0 && t < vocab; };
+  // Ids outside the vocabulary are skipped, as the host sampler skips them.
+  for (int j = tid; j < q.history_len; j += kThreads) raw[j] = valid(hist[j]) ? row[hist[j]] : 0.0f;
+  for (int k = tid; k < n_bias; k += kThreads) ctl_raw[1 + 2 * k] = row[ctl[1 + 2 * k]];
+  __syncthreads();
   if (q.repetition_penalty != 1.0f) {
-    // Ids outside the vocabulary are skipped, as the host sampler skips them.
-    for (int j = tid; j < q.history_len; j += kThreads) raw[j] = hist[j] >= 0 && hist[j] < vocab ? row[hist[j]] : 0.0f;
-    __syncthreads();
     for (int j = 0; j < q.history_len; ++j) {
       const int32_t t = hist[j];
-      if (t < 0 || t >= vocab || t % kThreads != tid) continue;
+      if (!valid(t) || t % kThreads != tid) continue;
       const float l = raw[j];
       row[t] = l > 0 ? l / q.repetition_penalty : l * q.repetition_penalty;
     }
     __syncthreads();
   }
-  auto raw_of = [&](int32_t t) {
-    if (q.repetition_penalty != 1.0f) {
-      for (int j = 0; j < q.history_len; ++j) {
-        if (hist[j] == t) return raw[j];
+  if (q.presence_penalty != 0.0f || q.frequency_penalty != 0.0f) {
+    // The output's distinct tokens, each by the thread of its first occurrence.
+    const int from = q.history_len > q.index ? q.history_len - q.index : 0;
+    for (int j = from + tid; j < q.history_len; j += kThreads) {
+      const int32_t t = hist[j];
+      bool first = valid(t);
+      for (int k = from; first && k < j; ++k) first = hist[k] != t;
+      if (!first) continue;
+      int c = 0;
+      for (int k = j; k < q.history_len; ++k) c += hist[k] == t ? 1 : 0;
+      row[t] = __fsub_rn(__fsub_rn(row[t], __fmul_rn(q.frequency_penalty, static_cast<float>(c))), q.presence_penalty);
+    }
+    __syncthreads();
+  }
+  if (ctl != nullptr) {
+    for (int k = tid; k < n_bias; k += kThreads) {
+      float b;
+      memcpy(&b, &ctl[2 + 2 * k], sizeof(b));
+      row[ctl[1 + 2 * k]] = __fadd_rn(row[ctl[1 + 2 * k]], b);
+    }
+    __syncthreads();
+    const int32_t* allowed = ctl + 1 + 2 * n_bias;
+    const int n_allowed = allowed[0];
+    if (n_allowed > 0) {
+      for (int i = tid; i < vocab; i += kThreads) {
+        int lo = 0, hi = n_allowed;  // first allowed id >= i
+        while (lo < hi) {
+          const int mid = (lo + hi) / 2;
+          if (allowed[1 + mid] < i) lo = mid + 1; else hi = mid;
+        }
+        if (lo == n_allowed || allowed[1 + lo] != i) row[i] = -INFINITY;
       }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      const int32_t* banned = allowed + 1 + n_allowed;
+      for (int k = 0; k < banned[0]; ++k) {
+        if (valid(banned[1 + k])) row[banned[1 + k]] = -INFINITY;
+      }
+      const int32_t* words = banned + 1 + banned[0];
+      const int n_words = words[0];
+      const int32_t* w = words + 1;
+      for (int k = 0; k < n_words; ++k) {
+        const int len = w[0];
+        const int32_t* tok = w + 1;
+        bool match = len - 1 <= q.history_len && valid(tok[len - 1]);
+        for (int m = 0; match && m < len - 1; ++m) match = hist[q.history_len - (len - 1) + m] == tok[m];
+        if (match) row[tok[len - 1]] = -INFINITY;
+        w += 1 + len;
+      }
+    }
+    __syncthreads();
+  }
+  auto raw_of = [&](int32_t t) {
+    for (int j = 0; j < q.history_len; ++j) {
+      if (hist[j] == t) return raw[j];
+    }
+    for (int k = 0; k < n_bias; ++k) {
+      if (ctl[1 + 2 * k] == t) return ctl_raw[1 + 2 * k];
     }
     return row[t];
   };
 
   int32_t token;
-  if (q.temperature == 0.0f) {
-    Pair m = none;
-    for (int i = tid; i < vocab; i += kThreads) m = Before(Pair{row[i], i}, m) ? Pair{row[i], i} : m;
-    token = best(m).id;
+  Pair top = none;
+  for (int i = tid; i < vocab; i += kThreads) top = Before(Pair{row[i], i}, top) ? Pair{row[i], i} : top;
+  top = best(top);
+  if (top.v == -INFINITY) {
+    token = -1;  // every token banned
+  } else if (q.temperature == 0.0f) {
+    token = top.id;
   } else {
-    Pair m = none;
-    for (int i = tid; i < vocab; i += kThreads) m = Before(Pair{row[i], i}, m) ? Pair{row[i], i} : m;
-    const float mx = best(m).v;
+    const float mx = top.v;
     const float inv_t = 1.0f / q.temperature;
     auto w_of = [&](int i) { return expf((row[i] - mx) * inv_t); };
     auto q_of = [&](float w) { return static_cast<unsigned long long>(w * kQuantum); };
     // Kept: key > bk or (key == bk and id <= ik), for the top-k cut and the top-p cut.
-    uint32_t bk = 0, bp = 0;
+    uint32_t bk = 0, bp = 0, bm = 0;  // bm: min_p's, keeps key >= bm
     int32_t ik = 0x7fffffff, ip = 0x7fffffff;
     auto kept = [&](uint32_t key, int i) {
-      return (key > bk || (key == bk && i <= ik)) && (key > bp || (key == bp && i <= ip));
+      return (key > bk || (key == bk && i <= ik)) && (key > bp || (key == bp && i <= ip)) && key >= bm;
     };
     // sum over ids <= last of `f(i, key, w)` (counts or masses).
     auto total = [&](int last, auto f) {
@@ -180,6 +240,7 @@ __global__ void __launch_bounds__(kThreads) AnswerRowsKernel(float* logits, int 
           static_cast<unsigned long long>(ceil(static_cast<double>(q.top_p) * static_cast<double>(mass)));
       if (target < mass) cut(true, target > 0 ? target : 1ull, &bp, &ip);
     }
+    if (q.min_p > 0.0f) bm = KeyOf(q.min_p);
     const unsigned long long mass =
         total(vocab - 1, [&](int i, uint32_t key, float w) { return kept(key, i) ? q_of(w) : 0ull; });
     const double u = u_override != nullptr ? u_override[blockIdx.x]
@@ -197,15 +258,15 @@ __global__ void __launch_bounds__(kThreads) AnswerRowsKernel(float* logits, int 
   }
   if (tid == 0) {
     out->token = token;
-    out->logprob = want_lp ? static_cast<float>(raw_of(token) - log_z) : 0.0f;
-    if (!want_lp) out->num_top = 0;
+    out->logprob = want_lp && token >= 0 ? static_cast<float>(raw_of(token) - log_z) : 0.0f;
+    if (!want_lp || token < 0) out->num_top = 0;
   }
 }
 
 __global__ void __launch_bounds__(kThreads) FeedTokensKernel(const DeviceAnswer* answers, const int32_t* feeds, int n,
                                                             int32_t* dst) {
   const int i = blockIdx.x * kThreads + threadIdx.x;
-  if (i < n) dst[feeds[2 * i]] = answers[feeds[2 * i + 1]].token;
+  if (i < n) dst[feeds[2 * i]] = max(answers[feeds[2 * i + 1]].token, 0);  // -1 ends its sequence: moot
 }
 
 }  // namespace

@@ -32,6 +32,14 @@ struct DeviceQuery {
   int32_t index = 0;
   int32_t history_offset = 0;  // into `history`
   int32_t history_len = 0;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float min_p = 0.0f;
+  // Into `history`: the query's other controls, -1 for none. Int32 words: the logit bias's count
+  // and (id, float bits) pairs; the allowed ids' count and ids (sorted; none: every id); the
+  // banned ids' count and ids (min_tokens: the host sends them only while they apply); the bad
+  // words' count and, per word, its length and tokens.
+  int32_t controls_offset = -1;
 };
 
 struct DeviceAnswer {
@@ -42,21 +50,18 @@ struct DeviceAnswer {
   float top_logprob[kMaxAnswerTop];
 };
 
-// Answers queries[0..n). `logits` [rows, vocab]: a draw's row is modified (its history tokens
-// penalised in place), and `history_raw` (as long as `history`) receives the raw logits of the
-// history tokens, so no other query may read a draw's row or share its history span (the engine
-// draws once per sequence, from that sequence's last row). `u` (tests only, else null): each query's draw instead of Philox's.
+// Answers queries[0..n) by sampler.h's definitions (a draw whose controls ban every token answers
+// token -1). `logits` [rows, vocab]: a draw's row is processed in place, and `history_raw` (as
+// long as `history`) receives the raw logits of the history tokens and of the logit bias's, so no
+// other query may read a draw's row or share its history or controls span (the engine draws once
+// per sequence, from that sequence's last row). `u` (tests only, else null): each query's draw instead of Philox's.
 cudaError_t AnswerRows(float* logits, int vocab, const DeviceQuery* queries, int n, const int32_t* history,
                        float* history_raw, const double* u, DeviceAnswer* answers, cudaStream_t stream);
 
-// For each of the n pairs (index, query) in `feeds`: dst[index] = answers[query].token. A step's
+// For each of the n pairs (index, query) in `feeds`: dst[index] = answers[query].token (0 for -1). A step's
 // input tokens (and histories) that are the previous step's draws, taken on the device so the step
 // can be launched before those answers reach the host.
 cudaError_t FeedTokens(const DeviceAnswer* answers, const int32_t* feeds, int n, int32_t* dst, cudaStream_t stream);
 
-// For each of the n pairs (index, query) in `feeds`: dst[index] = answers[query].token. A step's
-// input tokens (and histories) that are the previous step's draws, taken on the device so the step
-// can be launched before those answers reach the host.
-cudaError_t FeedTokens(const DeviceAnswer* answers, const int32_t* feeds, int n, int32_t* dst, cudaStream_t stream);
 
 }  // namespace relgen::cuda
