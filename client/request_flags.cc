@@ -24,6 +24,14 @@ const std::vector<FieldFlag>& RequestFlags() {
       {"--ignore_eos", "ignore_eos", "keep generating past end-of-sequence"},
       {"--n", "n", "samples of the prompt, 1..16 (sample i uses seed + i)"},
       {"--prompt_logprobs", "prompt_logprobs", "k: each prompt token's log-probability and k alternatives"},
+      {"--presence_penalty", "presence_penalty", "-2..2: lowers tokens the output holds (OpenAI's)"},
+      {"--frequency_penalty", "frequency_penalty", "-2..2: lowers tokens by how often the output holds them"},
+      {"--logit_bias", "logit_bias", "ID:BIAS added to that token's logit; repeat the flag for several"},
+      {"--allowed_token_ids", "allowed_token_ids", "comma-separated ids: only these may be generated"},
+      {"--bad_words", "bad_words", "comma-separated ids never generated in sequence; repeat for several"},
+      {"--min_tokens", "min_tokens", "no EOS, stop id or stop string before this many tokens"},
+      {"--min_p", "min_p", "keep tokens at least min_p times as likely as the most likely"},
+      {"--truncate_prompt_tokens", "truncate_prompt_tokens", "keep only the prompt's last N tokens"},
   };
   return flags;
 }
@@ -181,6 +189,33 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
     } else if (flag == "--prompt_logprobs") {
       if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
       r.set_prompt_logprobs(iv);
+    } else if (flag == "--presence_penalty") {
+      if (!absl::SimpleAtof(value, &fv)) return bad("expected a number");
+      r.set_presence_penalty(fv);
+    } else if (flag == "--frequency_penalty") {
+      if (!absl::SimpleAtof(value, &fv)) return bad("expected a number");
+      r.set_frequency_penalty(fv);
+    } else if (flag == "--logit_bias") {
+      const std::vector<std::string> kv = absl::StrSplit(value, ':');
+      if (kv.size() != 2 || !absl::SimpleAtoi(kv[0], &iv) || !absl::SimpleAtof(kv[1], &fv)) {
+        return bad("expected ID:BIAS");
+      }
+      (*r.mutable_logit_bias())[iv] = fv;
+    } else if (flag == "--allowed_token_ids") {
+      v1::TokenIds allowed;
+      if (std::string e = ids(&allowed); !e.empty()) return e;
+      for (int32_t t : allowed.ids()) r.add_allowed_token_ids(t);
+    } else if (flag == "--bad_words") {
+      if (std::string e = ids(r.add_bad_words()); !e.empty()) return e;
+    } else if (flag == "--min_tokens") {
+      if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
+      r.set_min_tokens(iv);
+    } else if (flag == "--min_p") {
+      if (!absl::SimpleAtof(value, &fv)) return bad("expected a number");
+      r.set_min_p(fv);
+    } else if (flag == "--truncate_prompt_tokens") {
+      if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
+      r.set_truncate_prompt_tokens(iv);
     } else {
       return "unknown flag " + flag;
     }

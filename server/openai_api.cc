@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/auth.h"
 #include "server/validation.h"
@@ -278,15 +279,41 @@ std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
       }
     } else if (key == "user") {
       if (!v.is_string()) return Invalid("user", "expected a string");
-    } else if (key == "presence_penalty" || key == "frequency_penalty") {
-      if (!(e = GetNumber(v, key, &d)) && d != 0) return Invalid(key, "not supported; allowed 0 only");
-    } else if (key == "logit_bias") {
-      if (!v.is_object() || !v.empty()) return Invalid(key, "not supported; allowed {} only");
+    } else if (key == "presence_penalty") {
+      if (!(e = GetNumber(v, key, &d))) r.set_presence_penalty(static_cast<float>(d));
+    } else if (key == "frequency_penalty") {
+      if (!(e = GetNumber(v, key, &d))) r.set_frequency_penalty(static_cast<float>(d));
+    } else if (key == "min_p") {
+      if (!(e = GetNumber(v, key, &d))) r.set_min_p(static_cast<float>(d));
+    } else if (key == "logit_bias") {  // OpenAI's: token ids as strings
+      if (!v.is_object()) return Invalid(key, "expected an object of token id (a string) to bias");
+      for (const auto& [id, bias] : v.items()) {
+        int64_t t = -1;
+        if (!absl::SimpleAtoi(id, &t) || t < 0 || t > std::numeric_limits<int32_t>::max()) {
+          return Invalid(key, absl::StrCat("key '", id, "' is not a token id"));
+        }
+        if (!bias.is_number()) return Invalid(key, absl::StrCat("the bias of token ", id, " is not a number"));
+        (*r.mutable_logit_bias())[static_cast<int32_t>(t)] = bias.get<float>();
+      }
+    } else if (key == "allowed_token_ids") {
+      std::vector<int32_t> ids;
+      if (!v.is_array()) return Invalid(key, "expected an array of token ids");
+      if (!(e = GetIds(v, key, &ids))) {
+        for (int32_t t : ids) r.add_allowed_token_ids(t);
+      }
+    } else if (key == "bad_words") {  // token id sequences (vLLM's strings are not taken)
+      if (!v.is_array()) return Invalid(key, "expected an array of token id arrays");
+      for (size_t w = 0; w < v.size() && !e; ++w) {
+        if (!v[w].is_array()) return Invalid(key, absl::StrCat("bad_words[", w, "] is not an array of token ids"));
+        std::vector<int32_t> ids;
+        if (!(e = GetIds(v[w], key, &ids))) r.add_bad_words()->mutable_ids()->Assign(ids.begin(), ids.end());
+      }
+    } else if (key == "min_tokens") {
+      if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_min_tokens(static_cast<int32_t>(i));
+    } else if (key == "truncate_prompt_tokens") {
+      if (!(e = GetInt(v, key, 1, std::numeric_limits<int32_t>::max(), &i))) r.set_truncate_prompt_tokens(static_cast<int32_t>(i));
     } else if (key == "suffix") {
       if (!v.is_string() || !v.get<std::string>().empty()) return Invalid(key, "not supported; allowed \"\" only");
-    } else if (key == "min_tokens") {
-      if (!(e = GetInt(v, key, 0, 0, &i))) continue;
-      e->message = "min_tokens: not supported; allowed 0 only";
     } else {
       return Invalid(key, absl::StrCat("unknown field '", key,
                                        "'; docs/operations.md lists the fields /v1/completions takes"));

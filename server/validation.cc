@@ -1,5 +1,7 @@
 #include "server/validation.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <random>
 
@@ -48,12 +50,79 @@ grpc::Status ToRequestId(const std::string& id, Request* out) {
   return grpc::Status::OK;
 }
 
+grpc::Status ToControls(const v1::GenerateRequest& in, const ModelConfig& c, Request* out) {
+  SamplingParams& p = out->sampling;
+  auto id_range = [&](int32_t t) { return absl::StrCat("; allowed 0..", c.vocab_size - 1); };
+  auto in_vocab = [&](int32_t t) { return t >= 0 && t < c.vocab_size; };
+  p.presence_penalty = in.has_presence_penalty() ? in.presence_penalty() : 0.0f;
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f)) {
+    return Invalid("presence_penalty", absl::StrCat(p.presence_penalty, "; allowed -2..2 (0 = off)"));
+  }
+  p.frequency_penalty = in.has_frequency_penalty() ? in.frequency_penalty() : 0.0f;
+  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
+    return Invalid("frequency_penalty", absl::StrCat(p.frequency_penalty, "; allowed -2..2 (0 = off)"));
+  }
+  p.min_p = in.has_min_p() ? in.min_p() : 0.0f;
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return Invalid("min_p", absl::StrCat(p.min_p, "; allowed 0..1 (0 = off)"));
+  p.min_tokens = in.has_min_tokens() ? in.min_tokens() : 0;
+  if (p.min_tokens < 0 || p.min_tokens > out->stop.max_new_tokens) {
+    return Invalid("min_tokens", absl::StrCat(p.min_tokens, "; allowed 0..max_new_tokens (", out->stop.max_new_tokens, ")"));
+  }
+  if (in.logit_bias_size() > kMaxLogitBias) {
+    return Invalid("logit_bias", absl::StrCat(in.logit_bias_size(), " entries; allowed at most ", kMaxLogitBias));
+  }
+  for (const auto& [t, b] : in.logit_bias()) {
+    if (!in_vocab(t)) return Invalid("logit_bias", absl::StrCat("token id ", t, id_range(t)));
+    if (!(b >= -100.0f && b <= 100.0f)) {
+      return Invalid("logit_bias", absl::StrCat("the bias of token ", t, " is ", b, "; allowed -100..100"));
+    }
+    p.logit_bias.emplace_back(t, b);
+  }
+  for (int i = 0; i < in.allowed_token_ids_size(); ++i) {
+    const int32_t t = in.allowed_token_ids(i);
+    if (!in_vocab(t)) return Invalid("allowed_token_ids", absl::StrCat("allowed_token_ids[", i, "] = ", t, id_range(t)));
+    p.allowed_token_ids.push_back(t);
+  }
+  std::sort(p.allowed_token_ids.begin(), p.allowed_token_ids.end());
+  p.allowed_token_ids.erase(std::unique(p.allowed_token_ids.begin(), p.allowed_token_ids.end()), p.allowed_token_ids.end());
+  if (p.allowed_token_ids.size() > kMaxAllowedTokens) {
+    return Invalid("allowed_token_ids",
+                   absl::StrCat(p.allowed_token_ids.size(), " distinct ids; allowed at most ", kMaxAllowedTokens));
+  }
+  if (in.bad_words_size() > kMaxBadWords) {
+    return Invalid("bad_words", absl::StrCat(in.bad_words_size(), " words; allowed at most ", kMaxBadWords));
+  }
+  int words = 0;
+  for (int i = 0; i < in.bad_words_size(); ++i) {
+    const auto& w = in.bad_words(i).ids();
+    if (w.empty()) return Invalid("bad_words", absl::StrCat("bad_words[", i, "] is empty; each word needs 1 or more ids"));
+    for (int32_t t : w) {
+      if (!in_vocab(t)) return Invalid("bad_words", absl::StrCat("bad_words[", i, "] holds ", t, id_range(t)));
+    }
+    words += w.size();
+    p.bad_words.emplace_back(w.begin(), w.end());
+  }
+  if (words > kMaxBadWordTokens) {
+    return Invalid("bad_words", absl::StrCat(words, " tokens in all; allowed at most ", kMaxBadWordTokens));
+  }
+  return grpc::Status::OK;
+}
+
 }  // namespace
 
 grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c,
                              const Tokenizer& tokenizer, const Options& options, Request* out) {
   if (grpc::Status s = ToRequestId(in.request_id(), out); !s.ok()) return s;
   if (grpc::Status s = ToPrompt(in, c, tokenizer, options, "prompt", &out->prompt); !s.ok()) return s;
+  if (in.has_truncate_prompt_tokens()) {
+    const int keep = in.truncate_prompt_tokens();
+    if (keep < 0 || keep > c.max_seq_len) {
+      return Invalid("truncate_prompt_tokens", absl::StrCat(keep, "; allowed 0..", c.max_seq_len, " (0 = off)"));
+    }
+    if (keep > 0 && static_cast<int>(out->prompt.size()) > keep) {
+      out->prompt.erase(out->prompt.begin(), out->prompt.end() - keep);
+    }
+  }
   const int n = static_cast<int>(out->prompt.size());
   if (c.encoder_decoder && n > c.max_seq_len) {
     return Invalid(in.has_text() ? "text" : "token_ids",
@@ -142,7 +211,7 @@ grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c
     }
     out->prompt_logprobs = in.prompt_logprobs();
   }
-  return grpc::Status::OK;
+  return ToControls(in, c, out);
 }
 
 grpc::Status ToEngineRequest(const v1::ScoreRequest& in, const ModelConfig& c, const Tokenizer& tokenizer,

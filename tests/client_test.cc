@@ -35,7 +35,9 @@ TEST(ClientFlagsTest, OneFlagPerRequestField) {
       {"--request_id", "abc"}, {"--prompt", "hello"}, {"--token_ids", "1,2,3"}, {"--max_new_tokens", "7"},
       {"--temperature", "0.5"}, {"--top_k", "9"}, {"--top_p", "0.75"}, {"--repetition_penalty", "1.25"},
       {"--seed", "42"}, {"--stop", "END"}, {"--stop_token_id", "13"}, {"--logprobs", "2"}, {"--ignore_eos", ""},
-      {"--n", "3"}, {"--prompt_logprobs", "2"}};
+      {"--n", "3"}, {"--prompt_logprobs", "2"}, {"--presence_penalty", "0.5"}, {"--frequency_penalty", "-0.5"},
+      {"--logit_bias", "7:-2.5"}, {"--allowed_token_ids", "1,2"}, {"--bad_words", "3,4"}, {"--min_tokens", "2"},
+      {"--min_p", "0.1"}, {"--truncate_prompt_tokens", "5"}};
   for (const auto& f : client::RequestFlags()) {
     client::ClientOptions o;
     std::vector<std::string> args = {"generate", f.flag};
@@ -58,6 +60,19 @@ TEST(ClientFlagsTest, OneFlagPerRequestField) {
   EXPECT_TRUE(o.request.has_temperature());
   EXPECT_EQ(o.request.temperature(), 0.0f);
   EXPECT_FALSE(o.request.has_top_p()) << "unset flags leave fields unset (server defaults apply)";
+  client::ClientOptions c;
+  ASSERT_EQ(client::ParseArgs({"generate", "--logit_bias", "7:-2.5", "--logit_bias=9:1", "--bad_words", "3,4",
+                               "--bad_words", "5", "--allowed_token_ids", "1,2"},
+                              &c),
+            "");
+  EXPECT_EQ(c.request.logit_bias().size(), 2u);
+  EXPECT_EQ(c.request.logit_bias().at(7), -2.5f);
+  EXPECT_EQ(c.request.logit_bias().at(9), 1.0f);
+  ASSERT_EQ(c.request.bad_words_size(), 2);
+  EXPECT_THAT(c.request.bad_words(0).ids(), ::testing::ElementsAre(3, 4));
+  EXPECT_THAT(c.request.bad_words(1).ids(), ::testing::ElementsAre(5));
+  EXPECT_THAT(c.request.allowed_token_ids(), ::testing::ElementsAre(1, 2));
+  EXPECT_NE(client::ParseArgs({"generate", "--logit_bias", "7"}, &c), "");
 }
 
 // Every ScoreRequest field has a flag of the score command, and each flag sets its field.

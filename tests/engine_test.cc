@@ -66,6 +66,20 @@ std::vector<Request> Workload() {
       r.sampling.temperature = 0.0f;
     }
     if (i % 8 == 3) r.sampling.logprobs = 2;
+    // The other controls on a share of each kind (batch invariance holds with them on).
+    if (i % 4 == 1) {
+      r.sampling.presence_penalty = 0.5f;
+      r.sampling.frequency_penalty = 0.3f;
+      r.sampling.min_p = 0.05f;
+    }
+    if (i % 6 == 2) {
+      r.sampling.logit_bias = {{32, 3.0f}, {101, -1.0f}};
+      r.sampling.bad_words = {{101, 101}, {120}};
+    }
+    if (i % 7 == 3) r.sampling.min_tokens = r.stop.max_new_tokens / 2;
+    if (i % 9 == 4) {
+      for (int32_t t = 32; t < 128; ++t) r.sampling.allowed_token_ids.push_back(t);
+    }
     out.push_back(std::move(r));
   }
   return out;

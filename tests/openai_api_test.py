@@ -465,11 +465,11 @@ class CompletionsTest(OpenAIApiTestCase):
             ("logprobs", dict(logprobs=21)),
             ("top_k", dict(extra_body={"top_k": -2})),  # -1 is vLLM's "off"
             ("repetition_penalty", dict(extra_body={"repetition_penalty": 0})),
+            ("presence_penalty", dict(presence_penalty=2.5)),
+            ("frequency_penalty", dict(frequency_penalty=-2.5)),
+            ("logit_bias", dict(logit_bias={"10": 500})),
             # OpenAI fields the server does not support.
             ("suffix", dict(suffix="x")),
-            ("presence_penalty", dict(presence_penalty=0.5)),
-            ("frequency_penalty", dict(frequency_penalty=0.5)),
-            ("logit_bias", dict(logit_bias={"10": 5})),
             ("best_of", dict(best_of=2)),
         ]
         for field, params in cases:

@@ -126,16 +126,25 @@ class Client:
     def _request(prompt: Union[str, Sequence[int]], *, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
                  repetition_penalty=None, seed=None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                  logprobs=None, ignore_eos: bool = False, request_id: str = "", n=None,
-                 prompt_logprobs=None) -> pb.GenerateRequest:
+                 prompt_logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
+                 allowed_token_ids: Sequence[int] = (), bad_words: Sequence[Sequence[int]] = (), min_tokens=None,
+                 min_p=None, truncate_prompt_tokens=None) -> pb.GenerateRequest:
         r = pb.GenerateRequest(request_id=request_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                               ignore_eos=ignore_eos)
+                               ignore_eos=ignore_eos, allowed_token_ids=list(allowed_token_ids))
+        for word in bad_words:
+            r.bad_words.add().ids.extend(int(t) for t in word)
+        for token, bias in (logit_bias or {}).items():
+            r.logit_bias[int(token)] = float(bias)
         if isinstance(prompt, str):
             r.text = prompt
         else:
             r.token_ids.ids.extend(int(t) for t in prompt)
         for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
                             ("top_p", top_p), ("repetition_penalty", repetition_penalty), ("seed", seed),
-                            ("logprobs", logprobs), ("n", n), ("prompt_logprobs", prompt_logprobs)):
+                            ("logprobs", logprobs), ("n", n), ("prompt_logprobs", prompt_logprobs),
+                            ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                            ("min_tokens", min_tokens), ("min_p", min_p),
+                            ("truncate_prompt_tokens", truncate_prompt_tokens)):
             if value is not None:
                 setattr(r, name, value)
         return r
