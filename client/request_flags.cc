@@ -32,6 +32,7 @@ const std::vector<FieldFlag>& RequestFlags() {
       {"--min_tokens", "min_tokens", "no EOS, stop id or stop string before this many tokens"},
       {"--min_p", "min_p", "keep tokens at least min_p times as likely as the most likely"},
       {"--truncate_prompt_tokens", "truncate_prompt_tokens", "keep only the prompt's last N tokens"},
+      {"--skip_special_tokens", "skip_special_tokens", "true|false: false writes special tokens' text too"},
   };
   return flags;
 }
@@ -213,6 +214,10 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
     } else if (flag == "--min_p") {
       if (!absl::SimpleAtof(value, &fv)) return bad("expected a number");
       r.set_min_p(fv);
+    } else if (flag == "--skip_special_tokens") {
+      bool b = true;
+      if (!absl::SimpleAtob(value, &b)) return bad("expected true or false");
+      r.set_skip_special_tokens(b);
     } else if (flag == "--truncate_prompt_tokens") {
       if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
       r.set_truncate_prompt_tokens(iv);

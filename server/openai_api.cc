@@ -310,6 +310,9 @@ std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
       }
     } else if (key == "min_tokens") {
       if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_min_tokens(static_cast<int32_t>(i));
+    } else if (key == "skip_special_tokens") {
+      bool b = true;
+      if (!(e = GetBool(v, key, &b))) r.set_skip_special_tokens(b);
     } else if (key == "truncate_prompt_tokens") {
       if (!(e = GetInt(v, key, 1, std::numeric_limits<int32_t>::max(), &i))) r.set_truncate_prompt_tokens(static_cast<int32_t>(i));
     } else if (key == "suffix") {
@@ -573,7 +576,8 @@ void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res)
                            absl::StrCat("model '", c.model, "' is not served here; this server serves '", config.name, "'"),
                            "model", "model_not_found"});
   }
-  std::vector<v1::GenerateRequest> requests;
+  std::vector<Request> requests;
+  const bool truncate = c.base.has_truncate_prompt_tokens();
   for (size_t i = 0; i < c.prompts.size(); ++i) {
     v1::GenerateRequest r = c.base;
     const Prompt& p = c.prompts[i];
@@ -589,7 +593,7 @@ void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res)
       if (c.prompts.size() > 1) e.message = absl::StrCat("prompt[", i, "]: ", e.message);
       return refuse(e);
     }
-    requests.push_back(std::move(r));
+    requests.push_back(std::move(checked));
   }
 
   auto call = std::make_shared<Call>();
@@ -605,12 +609,13 @@ void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res)
   call->prompts.resize(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     PromptState& p = call->prompts[i];
-    if (grpc::Status s = service_->SubmitFromHttp(requests[i], auth, &p.admission); !s.ok()) {
+    if (grpc::Status s = service_->SubmitFromHttp(std::move(requests[i]), auth, &p.admission); !s.ok()) {
       call.reset();  // cancels what was admitted
       return refuse(FromStatus(s));
     }
     if (c.echo) {
-      p.echo_text = c.prompts[i].is_text ? c.prompts[i].text : engine->tokenizer().Decode(c.prompts[i].ids);
+      // The prompt as given; a truncated one (truncate_prompt_tokens) as kept.
+      p.echo_text = c.prompts[i].is_text && !truncate ? c.prompts[i].text : engine->tokenizer().Decode(p.admission.prompt);
     }
     for (size_t j = 0; j < p.admission.handles.size(); ++j) {
       Choice ch;

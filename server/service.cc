@@ -529,17 +529,24 @@ template <typename Req>
 grpc::Status GenerationService::Submit(const Req& req, absl::Time deadline, const grpc::Status& auth,
                                        Admission* out) {
   Engine* engine = engine_.load();
-  if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
-  if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
-  if (!auth.ok()) return auth;
+  if (grpc::Status s = Open(engine, auth); !s.ok()) return s;
   Request r;
   grpc::Status s = ToEngineRequest(req, engine->model().config(), engine->tokenizer(), options_, &r);
   if (!s.ok()) return s;
+  out->continuations = r.continuations;
+  return SubmitChecked(engine, std::move(r), deadline, out);
+}
+
+grpc::Status GenerationService::Open(Engine* engine, const grpc::Status& auth) const {
+  if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
+  if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
+  return auth;
+}
+
+grpc::Status GenerationService::SubmitChecked(Engine* engine, Request r, absl::Time deadline, Admission* out) {
   if (r.id.empty()) r.id = NewRequestId();
   out->request_id = r.id;
   out->prompt_tokens = static_cast<int>(r.prompt.size());
-  out->prompt = r.prompt;
-  out->continuations = r.continuations;
   r.deadline = deadline;
   auto h = engine->SubmitGroup(std::move(r));
   if (!h.ok()) return grpc::Status(ToGrpc(h.status().code()), std::string(h.status().message()));
@@ -549,9 +556,11 @@ grpc::Status GenerationService::Submit(const Req& req, absl::Time deadline, cons
   return grpc::Status::OK;
 }
 
-grpc::Status GenerationService::SubmitFromHttp(const v1::GenerateRequest& req, const grpc::Status& auth,
-                                               Admission* out) {
-  return Submit(req, absl::InfiniteFuture(), auth, out);
+grpc::Status GenerationService::SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out) {
+  Engine* engine = engine_.load();
+  if (grpc::Status s = Open(engine, auth); !s.ok()) return s;
+  out->prompt = checked.prompt;
+  return SubmitChecked(engine, std::move(checked), absl::InfiniteFuture(), out);
 }
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,

@@ -49,7 +49,7 @@ class GenerationService final : public v1::GenerationService::CallbackService {
     std::vector<std::shared_ptr<RequestHandle>> handles;
     std::string request_id;
     int prompt_tokens = 0;
-    std::vector<int32_t> prompt;  // as tokenised
+    std::vector<int32_t> prompt;  // as tokenised (HTTP only: its echo)
     std::vector<std::vector<int32_t>> continuations;  // Score: as tokenised
   };
   // Shared by the call reactors. Admit books the call as received and, when it returns an error,
@@ -57,11 +57,11 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req, Admission* out);
   grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::ScoreRequest& req, Admission* out);
   void Refused(const grpc::Status& status) { metrics_->OnRefused(status.error_code(), Api::kGrpc); }
-  // The HTTP API's way in (server/openai_api.h): the same checks and engine request as a gRPC
-  // call's, `auth` being the caller's verdict on the credentials. Books nothing: the caller books
-  // its call, which may submit several prompts. Each admission is one call in flight until
-  // CallDone.
-  grpc::Status SubmitFromHttp(const v1::GenerateRequest& req, const grpc::Status& auth, Admission* out);
+  // The HTTP API's way in (server/openai_api.h): a request `checked` by ToEngineRequest, as a
+  // gRPC call's is, `auth` being the caller's verdict on the credentials; the same loading,
+  // draining and auth checks. Books nothing: the caller books its call, which may submit several
+  // prompts. Each admission is one call in flight until CallDone.
+  grpc::Status SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out);
   void CallDone() { in_flight_.fetch_sub(1); }
   Engine* engine() const { return engine_.load(); }
   const Options& options() const { return options_; }
@@ -89,6 +89,10 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   grpc::Status Submit(grpc::CallbackServerContext* ctx, const Req& req, Admission* out);
   template <typename Req>
   grpc::Status Submit(const Req& req, absl::Time deadline, const grpc::Status& auth, Admission* out);
+  // OK when a request may be submitted now: the model loaded, not draining, `auth` OK.
+  grpc::Status Open(Engine* engine, const grpc::Status& auth) const;
+  // Submits a validated request to the engine; one call in flight when OK.
+  grpc::Status SubmitChecked(Engine* engine, Request r, absl::Time deadline, Admission* out);
 
   void WatchdogLoop();
   // Recursive: TryCancel may run the call's callbacks, Unwatch included, on the watchdog's thread.

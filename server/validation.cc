@@ -105,6 +105,7 @@ grpc::Status ToControls(const v1::GenerateRequest& in, const ModelConfig& c, Req
   if (words > kMaxBadWordTokens) {
     return Invalid("bad_words", absl::StrCat(words, " tokens in all; allowed at most ", kMaxBadWordTokens));
   }
+  out->skip_special_tokens = !in.has_skip_special_tokens() || in.skip_special_tokens();
   return grpc::Status::OK;
 }
 

@@ -72,8 +72,8 @@ std::string Utf8(uint32_t cp) {
 }
 
 // Stream-decodes `ids` one at a time, checking that no piece splits a character.
-std::string StreamDecode(const Tokenizer& tok, const std::vector<int32_t>& ids, bool* whole) {
-  auto stream = tok.NewStream();
+std::string StreamDecode(const Tokenizer& tok, const std::vector<int32_t>& ids, bool* whole, bool keep = false) {
+  auto stream = keep ? tok.NewStreamWithSpecials() : tok.NewStream();
   std::string out;
   for (int32_t id : ids) {
     const std::string piece = stream->Push(id);
@@ -139,6 +139,35 @@ TEST_P(BpeFamilyTest, DecodeEqualsTheLibrarysAndStreamsWhole) {
   EXPECT_EQ(failures, 0);
   std::printf("[%s] compared %zu decodes (%zu random id sequences)\n", GetParam().c_str(),
               cases.size(), random.size());
+}
+
+// skip_special_tokens=False: special tokens' text joins the output as the library's decode writes
+// it, whole and streamed.
+TEST_P(BpeFamilyTest, DecodeKeepingSpecialsEqualsTheLibrarys) {
+  const std::vector<json> cases = ReadLines(dir_ + "/decode.jsonl");
+  ASSERT_GE(cases.size(), 1000u);
+  int failures = 0, with_specials = 0;
+  for (const json& c : cases) {
+    const std::vector<int32_t> ids = c["ids"].get<std::vector<int32_t>>();
+    const std::string want = FromHex(c["decoded_keep"]);
+    with_specials += want != FromHex(c["decoded"]) ? 1 : 0;
+    const std::string whole = tok_->Decode(ids, /*skip_special_tokens=*/false);
+    bool pieces_whole = true;
+    const std::string streamed = StreamDecode(*tok_, ids, &pieces_whole, /*keep=*/true);
+    if ((whole != want || streamed != whole || !pieces_whole) && ++failures <= 5) {
+      ADD_FAILURE() << GetParam() << ": ids " << ShowIds(ids) << "\n  library \"" << Show(want)
+                    << "\"\n  relgen  \"" << Show(whole) << "\"\n  stream  \"" << Show(streamed) << "\"";
+    }
+  }
+  EXPECT_EQ(failures, 0);
+  bool has_specials = false;
+  const json config = ReadJsonFile(dir_ + "/tokenizer.json");
+  for (const json& a : config.value("added_tokens", json::array())) has_specials |= a.value("special", false);
+  if (has_specials) {
+    EXPECT_GT(with_specials, 10) << "too few sequences hold a special token for the comparison to mean anything";
+  } else {
+    EXPECT_EQ(with_specials, 0) << "a family without special tokens decodes the same either way";
+  }
 }
 
 // Streams every text as one token per byte (ByteLevel's single-byte tokens), so each multi-byte

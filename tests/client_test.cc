@@ -37,7 +37,8 @@ TEST(ClientFlagsTest, OneFlagPerRequestField) {
       {"--seed", "42"}, {"--stop", "END"}, {"--stop_token_id", "13"}, {"--logprobs", "2"}, {"--ignore_eos", ""},
       {"--n", "3"}, {"--prompt_logprobs", "2"}, {"--presence_penalty", "0.5"}, {"--frequency_penalty", "-0.5"},
       {"--logit_bias", "7:-2.5"}, {"--allowed_token_ids", "1,2"}, {"--bad_words", "3,4"}, {"--min_tokens", "2"},
-      {"--min_p", "0.1"}, {"--truncate_prompt_tokens", "5"}};
+      {"--min_p", "0.1"}, {"--truncate_prompt_tokens", "5"},
+      {"--skip_special_tokens", "false"}};
   for (const auto& f : client::RequestFlags()) {
     client::ClientOptions o;
     std::vector<std::string> args = {"generate", f.flag};

@@ -1,5 +1,5 @@
 """The sampling controls (presence/frequency penalties, logit bias, allowed ids, bad words,
-min_tokens, truncate_prompt_tokens) end to end, against transformers' logits processors on the same
+min_tokens, truncate_prompt_tokens, skip_special_tokens) end to end, against transformers' logits processors on the same
 tiny Hugging Face checkpoints (BLOOM and T5, random weights, made by tools/make_hf_checkpoints.py
 and tools/make_t5_checkpoints.py).
 
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from openai_api_test import Server, relgen_client  # noqa: E402  (stubs and the client from the source tree)
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, T5ForConditionalGeneration  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, T5ForConditionalGeneration  # noqa: E402
 from transformers.generation.logits_process import (  # noqa: E402
     MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor)
@@ -180,6 +180,24 @@ class ControlsTestBase:
         grpc_text = self.grpc.generate(self.prompt, temperature=0, max_new_tokens=NEW_TOKENS, **controls).text
         self.assertEqual(choice["text"], grpc_text)
 
+    def test_skip_special_tokens(self):
+        # The bias makes the specials (ids 0..3 on both tokenizers) appear in the output.
+        bias = {t: 4.0 for t in self.specials}
+        c = self.grpc.generate(self.prompt, temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                               logit_bias=bias)
+        ids = c.token_ids
+        self.assertTrue(any(t in self.specials for t in ids), ids)
+        self.assertEqual(c.text, self.tokenizer.decode(ids, skip_special_tokens=True))
+        kept = self.grpc.generate(self.prompt, temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                  logit_bias=bias, skip_special_tokens=False)
+        self.assertEqual(kept.token_ids, ids)
+        self.assertEqual(kept.text, self.tokenizer.decode(ids, skip_special_tokens=False))
+        self.assertNotEqual(kept.text, c.text)
+        body = {"model": self.model_name, "prompt": self.prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                "ignore_eos": True, "logit_bias": {str(t): b for t, b in bias.items()},
+                "skip_special_tokens": False}
+        self.assertEqual(self.post("/v1/completions", body)["choices"][0]["text"], kept.text)
+
     def test_bad_values_are_named(self):
         for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 1.5),
                              ("min_tokens", NEW_TOKENS + 1), ("logit_bias", {"100000": 1}),
@@ -220,6 +238,8 @@ class BloomControlsTest(ControlsTestBase, unittest.TestCase):
         cls.server = Server(model=case["dir"])
         cls.grpc = relgen_client.Client(cls.server.grpc, timeout=60)
         cls.model_name = _model_id(cls.server)
+        cls.tokenizer = AutoTokenizer.from_pretrained(case["dir"])
+        cls.specials = [0, 1, 2, 3]
 
 
 class T5ControlsTest(ControlsTestBase, unittest.TestCase):
@@ -233,6 +253,8 @@ class T5ControlsTest(ControlsTestBase, unittest.TestCase):
         cls.server = Server(model=case["dir"])
         cls.grpc = relgen_client.Client(cls.server.grpc, timeout=60)
         cls.model_name = _model_id(cls.server)
+        cls.tokenizer = AutoTokenizer.from_pretrained(case["dir"])
+        cls.specials = [0, 1, 2]  # <pad>, </s>, <unk>
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ TEST_P(T5CheckpointTest, TokenizerMatchesTransformers) {
   // The decode cases need the fast tokenizer; a fixture that could not build it has none.
   ASSERT_TRUE(manifest["tokenizer_json"].get<bool>()) << "the fixture has no fast tokenizer, so no decode cases";
   ASSERT_GE(manifest["decode_cases"].size(), 100u);
+  int with_specials = 0;
   for (const auto& d : manifest["decode_cases"]) {
     const auto ids = d["ids"].get<std::vector<int32_t>>();
     const std::string want = d["text"].get<std::string>();
@@ -150,7 +151,16 @@ TEST_P(T5CheckpointTest, TokenizerMatchesTransformers) {
     std::string streamed;
     for (int32_t id : ids) streamed += stream->Push(id);
     EXPECT_EQ(streamed + stream->Finish(), want) << d["ids"];
+    // skip_special_tokens=False: <pad>, </s> and <unk> as text.
+    const std::string keep = d["text_keep"].get<std::string>();
+    with_specials += keep != want ? 1 : 0;
+    EXPECT_EQ((*tok)->Decode(ids, /*skip_special_tokens=*/false), keep) << d["ids"];
+    auto kept = (*tok)->NewStreamWithSpecials();
+    std::string kept_streamed;
+    for (int32_t id : ids) kept_streamed += kept->Push(id);
+    EXPECT_EQ(kept_streamed + kept->Finish(), keep) << d["ids"];
   }
+  EXPECT_GT(with_specials, 20) << "too few cases hold a special piece";
   const int top = model_->config().vocab_size - 1;  // <extra_id_0>
   EXPECT_EQ((*tok)->TokenText(top), "<extra_id_0>");
   EXPECT_EQ((*tok)->Decode({top}), "<extra_id_0>");

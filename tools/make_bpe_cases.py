@@ -9,7 +9,8 @@ family below, and writes for each DIR/FAMILY/:
   tokenizer.json   the tokenizer as the library saves it (bloom's merges rewritten to "a b" form)
   encode.jsonl     {"hex": raw bytes, "ids": library ids, "decoded": library decode, hex}; the
                    library encodes raw.decode("utf-8", "replace"), as relgen documents
-  decode.jsonl     {"ids": random ids, "decoded": library decode(ids), hex}
+  decode.jsonl     {"ids": random ids, "decoded": library decode(ids), "decoded_keep": the same
+                   with skip_special_tokens=False, hex}
 and, the same for every family, exhaustive probes over all code points (surrogates excepted):
   probe_split.json boundaries of a template around each code point under the GPT-2 pattern
                    (ByteLevel) and BLOOM's Split, as runs of code points with equal boundaries
@@ -439,8 +440,10 @@ def main():
                 seq.insert(frng.randrange(len(seq) + 1), size + frng.randrange(1000))
             id_seqs.append(seq)
         with open(os.path.join(d, "decode.jsonl"), "w") as f:
-            for seq, s in zip(id_seqs, ref.decode_batch(id_seqs)):
-                f.write(json.dumps({"ids": seq, "decoded": s.encode("utf-8").hex()}) + "\n")
+            kept = ref.decode_batch(id_seqs, skip_special_tokens=False)
+            for seq, s, k in zip(id_seqs, ref.decode_batch(id_seqs), kept):
+                f.write(json.dumps({"ids": seq, "decoded": s.encode("utf-8").hex(),
+                                    "decoded_keep": k.encode("utf-8").hex()}) + "\n")
         total += len(raws)
         print(f"{name}: {len(raws)} strings, {len(id_seqs)} id sequences, vocab {size}")
     for name, fn in (("probe_split.json", probe_split), ("probe_nfc.json", probe_nfc),

@@ -221,7 +221,8 @@ def write_bad(out, good, prefix, manifest):
 def decode_cases(slow, fast, rng, count=400):
     """Id sequences as a model may emit them, as T5TokenizerFast decodes them: lone and leading
     "▁" pieces, short pieces, <pad>/</s>/<unk> (skip_special_tokens drops them) and sentinels
-    (kept as text, so those sequences hold no other special ids and decode without skipping)."""
+    (kept as text, so those sequences hold no other special ids and decode without skipping);
+    text_keep: every case decoded with skip_special_tokens=False."""
     pieces = slow.sp_model.get_piece_size()
     special = {slow.pad_token_id, slow.eos_token_id, slow.unk_token_id}
     short = [i for i in range(pieces) if len(slow.sp_model.id_to_piece(i)) <= 2]
@@ -237,8 +238,11 @@ def decode_cases(slow, fast, rng, count=400):
                 ids.insert(rng.randint(0, len(ids)), fast.convert_tokens_to_ids(f"<extra_id_{rng.randrange(3)}>"))
             text = fast.decode(ids, skip_special_tokens=False)
         else:
+            if n % 3 == 1:  # specials among the pieces (what skip_special_tokens=False writes)
+                for _ in range(rng.randint(1, 2)):
+                    ids.insert(rng.randint(0, len(ids)), rng.choice(sorted(special)))
             text = fast.decode(ids, skip_special_tokens=True)
-        cases.append({"ids": ids, "text": text})
+        cases.append({"ids": ids, "text": text, "text_keep": fast.decode(ids, skip_special_tokens=False)})
     assert any(c["text"].startswith(" ") for c in cases) and any("  " in c["text"] for c in cases)
     return cases
 

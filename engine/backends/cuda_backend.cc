@@ -1086,8 +1086,8 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
   }
   if (o.tensor_cores && (o.weight_type != cpu::WeightType::kBf16 || o.cublas_gemms)) {
     return absl::InvalidArgumentError(
-        "--cuda_gemm mma: tensor cores multiply bf16 weights; use --weights_dtype bf16 (or auto with a bf16 "
-        "checkpoint), or --cuda_gemm invariant");
+        "--cuda_gemm mma: tensor cores multiply bf16 weights; use --weights_dtype bf16 or auto (bf16 on a GPU), "
+        "or --cuda_gemm invariant");
   }
   if (o.weight_type == cpu::WeightType::kBf16 && o.cublas_gemms) {
     return absl::InvalidArgumentError(

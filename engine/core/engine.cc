@@ -431,7 +431,7 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
     } else {
       s->req.sampling.seed = r.sampling.seed + static_cast<uint64_t>(i);
     }
-    s->detok = tokenizer_->NewStream();
+    s->detok = r.skip_special_tokens ? tokenizer_->NewStream() : tokenizer_->NewStreamWithSpecials();
     s->submitted = now;
     handles.push_back(s->handle);
     group.push_back(std::move(s));

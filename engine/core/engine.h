@@ -66,6 +66,8 @@ struct Request {
   std::vector<std::vector<int32_t>> continuations;
   // Keep only the prompt's last N tokens (an encoder-decoder model: the input's); 0: off.
   int truncate_prompt_tokens = 0;
+  // false: special tokens' text is part of the output text (transformers' skip_special_tokens).
+  bool skip_special_tokens = true;
 };
 
 struct RequestTiming {

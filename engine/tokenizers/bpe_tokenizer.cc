@@ -327,12 +327,13 @@ class BpeTokenizer;
 
 class BpeStream final : public StreamDecoder {
  public:
-  explicit BpeStream(const BpeTokenizer* tok) : tok_(tok) {}
+  BpeStream(const BpeTokenizer* tok, bool keep_special) : tok_(tok), keep_special_(keep_special) {}
   std::string Push(int32_t id) override;
   std::string Finish() override { return utf8_.Finish(); }
 
  private:
   const BpeTokenizer* tok_;
+  bool keep_special_;
   Utf8Assembler utf8_;
 };
 
@@ -372,8 +373,9 @@ class BpeTokenizer final : public Tokenizer {
     return out;
   }
 
-  std::unique_ptr<StreamDecoder> NewStream() const override {
-    return std::make_unique<BpeStream>(this);
+  std::unique_ptr<StreamDecoder> NewStream() const override { return std::make_unique<BpeStream>(this, false); }
+  std::unique_ptr<StreamDecoder> NewStreamWithSpecials() const override {
+    return std::make_unique<BpeStream>(this, true);
   }
 
   std::string TokenText(int32_t id) const override {
@@ -383,10 +385,10 @@ class BpeTokenizer final : public Tokenizer {
     return display_[id];
   }
 
-  // What decoding `id` contributes (empty for special tokens and unknown ids).
-  absl::string_view Bytes(int32_t id) const {
+  // What decoding `id` contributes (empty for unknown ids, and for special tokens unless kept).
+  absl::string_view Bytes(int32_t id, bool keep_special) const {
     if (id < 0 || id >= static_cast<int32_t>(bytes_.size())) return {};
-    return bytes_[id];
+    return keep_special && !special_bytes_[id].empty() ? special_bytes_[id] : bytes_[id];
   }
 
  private:
@@ -575,13 +577,16 @@ class BpeTokenizer final : public Tokenizer {
   bool has_template_ = false;
   std::vector<std::vector<int32_t>> template_;  // special-token ids; empty for the sequence
   std::vector<std::string> bytes_;              // per id: what decoding emits
+  // Per id: a special token's bytes, decoded as the byte-level decoder decodes any token (its
+  // bytes join the stream's, so an unfinished character before it becomes U+FFFD).
+  std::vector<std::string> special_bytes_;
   std::vector<std::string> display_;            // per id: TokenText
   std::vector<bool> known_;                     // per id: in the vocabulary or added
 };
 
 std::string BpeStream::Push(int32_t id) {
   std::string out;
-  for (char c : tok_->Bytes(id)) out += utf8_.Push(static_cast<uint8_t>(c));
+  for (char c : tok_->Bytes(id, keep_special_)) out += utf8_.Push(static_cast<uint8_t>(c));
   return out;
 }
 
@@ -1012,6 +1017,7 @@ class Loader {
     }
     const size_t size = static_cast<size_t>(max_id_ + 1);
     tok_->bytes_.assign(size, "");
+    tok_->special_bytes_.assign(size, "");
     tok_->display_.assign(size, "");
     tok_->known_.assign(size, false);
     for (const auto& [id, token] : tokens_) {
@@ -1019,6 +1025,7 @@ class Loader {
       // Decoding skips special tokens, or whatever id has a special token's text.
       if (special_.contains(token)) {
         tok_->display_[id] = Escaped(token);
+        tok_->special_bytes_[id] = FromByteLevel(token);
         continue;
       }
       tok_->bytes_[id] = FromByteLevel(token);

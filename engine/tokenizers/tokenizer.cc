@@ -64,11 +64,12 @@ class ByteTokenizer final : public Tokenizer {
 // once it no longer ends in an incomplete character. SentencePiece drops all leading whitespace of
 // what it decodes, so each window is decoded behind a fixed anchor piece and the anchor's text cut
 // off; as T5's fast tokenizer does, only the first piece of the output loses its leading spaces.
-// Control pieces and <unk> decode to nothing (transformers' skip_special_tokens).
+// Control pieces and <unk> decode to nothing (transformers' skip_special_tokens), or, kept, to
+// their piece's text as a sentinel does.
 class SentencePieceStream final : public StreamDecoder {
  public:
-  SentencePieceStream(const SentencePieceModel* sp, int extra_ids, int anchor)
-      : sp_(sp), extra_ids_(extra_ids), anchor_(anchor) {}
+  SentencePieceStream(const SentencePieceModel* sp, int extra_ids, int anchor, bool keep_special)
+      : sp_(sp), extra_ids_(extra_ids), anchor_(anchor), keep_special_(keep_special) {}
 
   std::string Push(int32_t id) override {
     const int pieces = sp_->size();
@@ -76,14 +77,9 @@ class SentencePieceStream final : public StreamDecoder {
       // A sentinel is text of its own (the window restarts after it); other ids above the model's
       // pieces (vocabulary padding) decode to nothing.
       if (id < pieces || id >= pieces + extra_ids_) return "";
-      std::string out = Finish();
-      ids_.clear();
-      prefix_offset_ = read_offset_ = 0;
-      first_ = false;
-      strip_ = 0;
-      return absl::StrCat(out, "<extra_id_", pieces + extra_ids_ - 1 - id, ">");
+      return Restart(absl::StrCat("<extra_id_", pieces + extra_ids_ - 1 - id, ">"));
     }
-    if (sp_->IsSpecial(id)) return "";
+    if (sp_->IsSpecial(id)) return keep_special_ ? Restart(sp_->Piece(id)) : "";
     if (first_) {
       first_ = false;
       const std::string text = sp_->Piece(id);
@@ -108,6 +104,15 @@ class SentencePieceStream final : public StreamDecoder {
  private:
   static constexpr char kSpaceMark[] = "\xE2\x96\x81";  // U+2581, SentencePiece's space
 
+  // Text of its own (a sentinel, a kept special piece): what was held, the text, and a new window.
+  std::string Restart(const std::string& text) {
+    std::string out = Finish();
+    ids_.clear();
+    prefix_offset_ = read_offset_ = 0;
+    first_ = false;
+    strip_ = 0;
+    return out + text;
+  }
   std::string DecodeRange(size_t begin, size_t end) const {
     std::vector<int> window;
     if (anchor_ >= 0) window.push_back(anchor_);
@@ -125,6 +130,7 @@ class SentencePieceStream final : public StreamDecoder {
   const SentencePieceModel* sp_;
   int extra_ids_;
   int anchor_;
+  bool keep_special_;
   std::vector<int> ids_;
   size_t prefix_offset_ = 0, read_offset_ = 0;
   bool first_ = true;  // no piece or sentinel seen yet
@@ -159,7 +165,10 @@ class SentencePieceTokenizer final : public Tokenizer {
     return out;
   }
   std::unique_ptr<StreamDecoder> NewStream() const override {
-    return std::make_unique<SentencePieceStream>(sp_.get(), extra_ids_, anchor_);
+    return std::make_unique<SentencePieceStream>(sp_.get(), extra_ids_, anchor_, false);
+  }
+  std::unique_ptr<StreamDecoder> NewStreamWithSpecials() const override {
+    return std::make_unique<SentencePieceStream>(sp_.get(), extra_ids_, anchor_, true);
   }
   std::string TokenText(int32_t id) const override {
     if (id >= sp_->size() && id < sp_->size() + extra_ids_) {
@@ -224,8 +233,8 @@ std::string Utf8Assembler::Finish() {
   return kReplacement;
 }
 
-std::string Tokenizer::Decode(absl::Span<const int32_t> ids) const {
-  std::unique_ptr<StreamDecoder> s = NewStream();
+std::string Tokenizer::Decode(absl::Span<const int32_t> ids, bool skip_special_tokens) const {
+  std::unique_ptr<StreamDecoder> s = skip_special_tokens ? NewStream() : NewStreamWithSpecials();
   std::string out;
   for (int32_t id : ids) out += s->Push(id);
   return out + s->Finish();

@@ -31,8 +31,11 @@ class Tokenizer {
   virtual ~Tokenizer() = default;
   virtual std::vector<int32_t> Encode(absl::string_view text) const = 0;
   virtual std::unique_ptr<StreamDecoder> NewStream() const = 0;
+  // A stream that writes special tokens' text too, as transformers' skip_special_tokens=False
+  // does (the byte-level tokenizer's special ids have no text: the same as NewStream()).
+  virtual std::unique_ptr<StreamDecoder> NewStreamWithSpecials() const { return NewStream(); }
   // Text of a whole id sequence: the concatenation of a stream's outputs.
-  std::string Decode(absl::Span<const int32_t> ids) const;
+  std::string Decode(absl::Span<const int32_t> ids, bool skip_special_tokens = true) const;
   // A display string for one token (logprob alternatives), invalid UTF-8 escaped as \xNN.
   virtual std::string TokenText(int32_t id) const = 0;
 };
