@@ -723,8 +723,8 @@ INSTANTIATE_TEST_SUITE_P(T5, CudaT5Test, ::testing::ValuesIn(T5CaseNames()), [](
 });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaT5Test);
 
-// Batched output == single-request output on the GPU engine (greedy): float32, a bf16 cache, and
-// bf16 weights on tensor cores.
+// Batched output == single-request output on the GPU engine (greedy, and seeded draws with the
+// sampling controls): float32, a bf16 cache, and bf16 weights on tensor cores.
 class CudaEngineKvTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
@@ -747,6 +747,17 @@ TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
     r.stop.max_new_tokens = new_tokens + i;
     r.stop.ignore_eos = true;
     r.sampling.temperature = 0;
+    if (i % 2 == 1) {  // seeded draws with the sampling controls, each request its own mix
+      r.sampling.temperature = 0.9f;
+      r.sampling.seed = 40 + i;
+      r.sampling.presence_penalty = 0.6f;
+      r.sampling.frequency_penalty = i % 4 == 1 ? 0.4f : 0.0f;
+      r.sampling.logit_bias = {{65, 2.0f}, {r.prompt.back(), -3.0f}};
+      r.sampling.bad_words = {{r.prompt.back(), 66}, {90}};
+      r.sampling.min_p = 0.02f;
+      r.sampling.min_tokens = 3;
+      r.stop.stop_token_ids = {67};
+    }
     work.push_back(r);
   }
   auto drain = [](RequestHandle& h) {
