@@ -104,6 +104,17 @@ class ControlsTestBase:
     tokens."""
 
     @classmethod
+    def setUpClass(cls):
+        case = _case(os.environ[cls.cases_env], cls.case_name)
+        model, cls.ref = cls.load(case["dir"])
+        cls.eos = model.config.eos_token_id
+        cls.prompt = case["text_ids"][:12]
+        cls.tokenizer = AutoTokenizer.from_pretrained(case["dir"])
+        cls.server = Server(model=case["dir"])
+        cls.grpc = relgen_client.Client(cls.server.grpc, timeout=60)
+        cls.model_name = _model_id(cls.server)
+
+    @classmethod
     def tearDownClass(cls):
         cls.grpc.close()
         cls.server.stop()
@@ -228,33 +239,21 @@ class ControlsTestBase:
 
 
 class BloomControlsTest(ControlsTestBase, unittest.TestCase):
+    cases_env, case_name, specials = "RELGEN_HF_CASES_DIR", "bloom-h3", [0, 1, 2, 3]  # <unk> <s> </s> <pad>
+
     @classmethod
-    def setUpClass(cls):
-        case = _case(os.environ["RELGEN_HF_CASES_DIR"], "bloom-h3")
-        model = AutoModelForCausalLM.from_pretrained(case["dir"]).eval()
-        cls.eos = model.config.eos_token_id
-        cls.ref = Reference(model, False, cls.eos)
-        cls.prompt = case["text_ids"][:12]
-        cls.server = Server(model=case["dir"])
-        cls.grpc = relgen_client.Client(cls.server.grpc, timeout=60)
-        cls.model_name = _model_id(cls.server)
-        cls.tokenizer = AutoTokenizer.from_pretrained(case["dir"])
-        cls.specials = [0, 1, 2, 3]
+    def load(cls, path):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        return model, Reference(model, False, model.config.eos_token_id)
 
 
 class T5ControlsTest(ControlsTestBase, unittest.TestCase):
+    cases_env, case_name, specials = "RELGEN_T5_CASES_DIR", "t5-v1_0", [0, 1, 2]  # <pad> </s> <unk>
+
     @classmethod
-    def setUpClass(cls):
-        case = _case(os.environ["RELGEN_T5_CASES_DIR"], "t5-v1_0")
-        model = T5ForConditionalGeneration.from_pretrained(case["dir"]).eval()
-        cls.eos = model.config.eos_token_id
-        cls.ref = Reference(model, True, cls.eos, start=model.config.decoder_start_token_id)
-        cls.prompt = case["text_ids"][:12]
-        cls.server = Server(model=case["dir"])
-        cls.grpc = relgen_client.Client(cls.server.grpc, timeout=60)
-        cls.model_name = _model_id(cls.server)
-        cls.tokenizer = AutoTokenizer.from_pretrained(case["dir"])
-        cls.specials = [0, 1, 2]  # <pad>, </s>, <unk>
+    def load(cls, path):
+        model = T5ForConditionalGeneration.from_pretrained(path).eval()
+        return model, Reference(model, True, model.config.eos_token_id, start=model.config.decoder_start_token_id)
 
 
 if __name__ == "__main__":
