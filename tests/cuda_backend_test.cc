@@ -774,6 +774,47 @@ TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
   for (const Request& r : work) hs.push_back(*batch_engine->Submit(r));
   for (size_t i = 0; i < hs.size(); ++i) EXPECT_EQ(drain(*hs[i]), alone[i]) << "request " << i;
 }
+// A draw whose controls ban every token (only 'A' allowed, 'A' 'A' a bad word) ends its sequence
+// after 'A', reason stop; the step launched ahead of it, fed the moot token, harms no one beside it.
+TEST(CudaEngineTest, BanningEveryTokenEndsOnlyThatSequence) {
+  REQUIRE_GPU();
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  CudaOptions o;
+  o.num_blocks = 64;
+  auto make = [&] { return *Engine::Create(model, *NewCudaBackend(model, o), NewByteTokenizer(), EngineConfig{}); };
+  Request banned;
+  banned.prompt = {'x', 'y', 'B'};
+  banned.stop.max_new_tokens = 8;
+  banned.stop.ignore_eos = true;
+  banned.sampling.temperature = 0.7f;
+  banned.sampling.allowed_token_ids = {'A'};
+  banned.sampling.bad_words = {{'A', 'A'}};
+  Request other;
+  other.prompt = {'h', 'e', 'l', 'l', 'o'};
+  other.stop.max_new_tokens = 6;
+  other.stop.ignore_eos = true;
+  other.sampling.temperature = 0;
+  auto drain = [](RequestHandle& h) {
+    std::pair<std::vector<int32_t>, FinishReason> out;
+    Output o;
+    while (h.Next(&o)) {
+      out.first.insert(out.first.end(), o.token_ids.begin(), o.token_ids.end());
+      if (o.finished) out.second = o.finish_reason;
+    }
+    return out;
+  };
+  const auto alone = drain(**make()->Submit(other));
+  auto engine = make();
+  auto a = *engine->Submit(banned);
+  auto b = *engine->Submit(other);
+  const auto got = drain(*a);
+  EXPECT_EQ(got.first, std::vector<int32_t>{'A'});
+  EXPECT_EQ(got.second, FinishReason::kStop);
+  EXPECT_EQ(drain(*b), alone);
+  EXPECT_EQ(alone.second, FinishReason::kLength);
+  EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Cache, CudaEngineKvTest, ::testing::Values("f32", "bf16", "mma"),
                          [](const auto& i) { return i.param; });
 

@@ -419,6 +419,44 @@ std::unique_ptr<Engine> MakeAheadEngine(const std::string& scheme, const EngineS
   return *std::move(engine);
 }
 
+// Controls that leave no token (only 'A' allowed, and 'A' 'A' a bad word): the sequence ends after
+// its one possible token, reason stop, its blocks freed; with steps launched ahead too, where the
+// next step was already fed the draw that never came.
+TEST(ControlsTest, BanningEveryTokenEndsTheSequence) {
+  Request r = Prompt(5, 10);
+  r.sampling.temperature = 0.7f;
+  r.sampling.seed = 3;
+  r.sampling.allowed_token_ids = {'A'};
+  r.sampling.bad_words = {{'A', 'A'}};
+  r.stop.ignore_eos = true;
+  r.stop.stop_strings = {"zz"};  // a held tail is delivered too
+  r.prompt.back() = 'B';
+  for (bool ahead : {false, true}) {
+    SCOPED_TRACE(ahead ? "launched ahead" : "one step at a time");
+    AheadBackend* backend = nullptr;
+    auto engine = ahead ? MakeAheadEngine("skew", EngineSetup{}, &backend) : MakeEngine("skew", EngineSetup{});
+    const Result got = Drain(**engine->Submit(r));
+    EXPECT_EQ(got.tokens, std::vector<int32_t>{'A'});
+    EXPECT_EQ(got.text, "A");
+    EXPECT_EQ(got.reason, FinishReason::kStop);
+    EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
+    EXPECT_EQ(engine->Stats().finished, 1);
+    if (ahead) {
+      // A request beside it, in the steps launched ahead of the banned draw, is not harmed.
+      Request other = Prompt(7, 12);
+      other.sampling.temperature = 0;
+      other.stop.ignore_eos = true;
+      auto a = *engine->Submit(r);
+      auto b = *engine->Submit(other);
+      EXPECT_EQ(Drain(*a).tokens, std::vector<int32_t>{'A'});
+      const Result second = Drain(*b);
+      EXPECT_EQ(second.reason, FinishReason::kLength);
+      EXPECT_EQ(second.tokens, Drain(**MakeEngine("skew", EngineSetup{})->Submit(other)).tokens);
+      EXPECT_GT(backend->fed(), 0);
+    }
+  }
+}
+
 // Step N + 1 is planned, built and launched while step N is held on the device: its decode token
 // is fed from step N's draw, which the host has not seen.
 TEST(OverlapTest, TheNextStepIsLaunchedWhileAStepIsHeld) {

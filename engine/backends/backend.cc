@@ -1,5 +1,7 @@
 #include "engine/backends/backend.h"
 
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
@@ -95,7 +97,9 @@ absl::Status Backend::Launch(absl::Span<const SequenceStep> steps, absl::Span<co
   AnswerQueries(answer_logits_.data(), vocab, qs, &results, row_parallel());
   last_draws_.assign(qs.size(), -1);
   for (size_t i = 0; i < qs.size(); ++i) {
-    if (qs[i].params != nullptr) last_draws_[i] = results[i].token;
+    // A draw whose controls banned every token (-1) ends its sequence: what is fed in its place
+    // to a step launched meanwhile is moot (0, as on the device).
+    if (qs[i].params != nullptr) last_draws_[i] = std::max(results[i].token, 0);
   }
   outstanding_.push_back(std::move(results));
   return absl::OkStatus();
