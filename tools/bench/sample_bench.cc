@@ -47,6 +47,22 @@ int RunSampleBench(const SampleBenchOptions& o) {
   controls[5].name = "greedy, logprobs 5";
   controls[5].p.temperature = 0;
   controls[5].p.logprobs = 5;
+  // The controls beside the penalty, on a history whose last 128 tokens are the output.
+  auto add = [&](const std::string& name, auto set) {
+    Control c{name, {}};
+    c.p.temperature = 0.8f;
+    set(c.p);
+    controls.push_back(c);
+  };
+  add("T 0.8, presence+frequency 0.5", [](SamplingParams& p) { p.presence_penalty = p.frequency_penalty = 0.5f; });
+  add("T 0.8, logit_bias 100, 8 bad words", [&](SamplingParams& p) {
+    for (int i = 0; i < 100; ++i) p.logit_bias.emplace_back(i * (o.vocab / 100), 1.5f);
+    for (int i = 0; i < 8; ++i) p.bad_words.push_back({history[i], history[i + 1]});
+  });
+  add("T 0.8, min_p 0.05", [](SamplingParams& p) { p.min_p = 0.05f; });
+  add("T 0.8, allowed_token_ids 4096", [&](SamplingParams& p) {
+    for (int i = 0; i < 4096; ++i) p.allowed_token_ids.push_back(i * (o.vocab / 4096));
+  });
 
   const ParallelFor on_pool = [&](int n, const std::function<void(int, int)>& fn) { pool.ParallelFor(n, fn); };
   std::vector<std::vector<double>> ms(controls.size());
@@ -58,7 +74,7 @@ int RunSampleBench(const SampleBenchOptions& o) {
         queries[r].row = r;
         queries[r].params = &controls[c].p;
         queries[r].history = history;
-        queries[r].index = rep;
+        queries[r].index = 128 + rep;
       }
       const auto t0 = std::chrono::steady_clock::now();
       AnswerQueries(logits.data(), o.vocab, queries, &results, on_pool);
