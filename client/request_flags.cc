@@ -33,6 +33,7 @@ const std::vector<FieldFlag>& RequestFlags() {
       {"--min_p", "min_p", "keep tokens at least min_p times as likely as the most likely"},
       {"--truncate_prompt_tokens", "truncate_prompt_tokens", "keep only the prompt's last N tokens"},
       {"--skip_special_tokens", "skip_special_tokens", "true|false: false writes special tokens' text too"},
+      {"--no_repeat_ngram_size", "no_repeat_ngram_size", "n: no n-gram occurs twice in the tokens so far"},
   };
   return flags;
 }
@@ -214,6 +215,9 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
     } else if (flag == "--min_p") {
       if (!absl::SimpleAtof(value, &fv)) return bad("expected a number");
       r.set_min_p(fv);
+    } else if (flag == "--no_repeat_ngram_size") {
+      if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
+      r.set_no_repeat_ngram_size(iv);
     } else if (flag == "--skip_special_tokens") {
       bool b = true;
       if (!absl::SimpleAtob(value, &b)) return bad("expected true or false");

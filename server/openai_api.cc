@@ -310,6 +310,8 @@ std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
       }
     } else if (key == "min_tokens") {
       if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_min_tokens(static_cast<int32_t>(i));
+    } else if (key == "no_repeat_ngram_size") {  // transformers' (relgen's extra)
+      if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_no_repeat_ngram_size(static_cast<int32_t>(i));
     } else if (key == "skip_special_tokens") {
       bool b = true;
       if (!(e = GetBool(v, key, &b))) r.set_skip_special_tokens(b);

@@ -105,6 +105,11 @@ grpc::Status ToControls(const v1::GenerateRequest& in, const ModelConfig& c, Req
   if (words > kMaxBadWordTokens) {
     return Invalid("bad_words", absl::StrCat(words, " tokens in all; allowed at most ", kMaxBadWordTokens));
   }
+  p.no_repeat_ngram_size = in.has_no_repeat_ngram_size() ? in.no_repeat_ngram_size() : 0;
+  if (p.no_repeat_ngram_size < 0 || p.no_repeat_ngram_size > kMaxNoRepeatNgram) {
+    return Invalid("no_repeat_ngram_size",
+                   absl::StrCat(p.no_repeat_ngram_size, "; allowed 0..", kMaxNoRepeatNgram, " (0 = off)"));
+  }
   out->skip_special_tokens = !in.has_skip_special_tokens() || in.skip_special_tokens();
   return grpc::Status::OK;
 }

@@ -756,6 +756,7 @@ TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
       r.sampling.bad_words = {{r.prompt.back(), 66}, {90}};
       r.sampling.min_p = 0.02f;
       r.sampling.min_tokens = 3;
+      r.sampling.no_repeat_ngram_size = i % 4 == 3 ? 2 : 0;
       r.stop.stop_token_ids = {67};
     }
     work.push_back(r);
@@ -1685,6 +1686,7 @@ TEST(CudaSamplerTest, ControlsMatchTheReference) {
       q.presence_penalty = p.presence_penalty;
       q.frequency_penalty = p.frequency_penalty;
       q.min_p = p.min_p;
+      q.no_repeat_ngram_size = p.no_repeat_ngram_size;
       q.history_offset = static_cast<int>(words.size());
       words.insert(words.end(), kControlHistory.begin(), kControlHistory.end());
       q.controls_offset = static_cast<int>(words.size());
@@ -1695,6 +1697,22 @@ TEST(CudaSamplerTest, ControlsMatchTheReference) {
     }
     const std::vector<cuda::DeviceAnswer> got = AnswerOnDevice(rows, v, queries, words, u);
     for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].token, want[i]) << "u " << u[i];
+  }
+  // no_repeat_ngram_size 2 and 3 where the history repeats (5 7 5 7 5): each bans 7, the argmax.
+  for (int n : {2, 3}) {
+    std::vector<float> row(v, 0.0f);
+    row[7] = 3.0f;
+    row[11] = 2.0f;
+    SamplingParams p;
+    p.temperature = 0;
+    p.no_repeat_ngram_size = n;
+    const std::vector<int32_t> history = {5, 7, 5, 7, 5};
+    const std::vector<double> ref = ReferenceProbs(row, p, history, 2);
+    ASSERT_EQ(ref[11], 1.0) << n;
+    cuda::DeviceQuery q = DrawQuery(p, 0, static_cast<int>(history.size()));
+    q.index = 2;
+    q.no_repeat_ngram_size = n;
+    EXPECT_EQ(AnswerOnDevice(row, v, {q}, history, {0.5})[0].token, 11) << n;
   }
   // Every token banned: the answer is -1.
   SamplingParams p;
@@ -1809,6 +1827,7 @@ void ExpectLaunchAheadEqualsOneAtATime(const std::function<std::unique_ptr<Backe
   penalised.presence_penalty = 0.6f;
   penalised.frequency_penalty = 0.3f;
   penalised.bad_words = {{9, 8}, {7, 7, 3}};
+  penalised.no_repeat_ngram_size = 2;
   SamplingParams top_p = penalised;
   top_p.repetition_penalty = 1.0f;
   top_p.presence_penalty = top_p.frequency_penalty = 0.0f;

@@ -77,6 +77,7 @@ std::vector<Request> Workload() {
       r.sampling.bad_words = {{101, 101}, {120}};
     }
     if (i % 7 == 3) r.sampling.min_tokens = r.stop.max_new_tokens / 2;
+    if (i % 5 == 4) r.sampling.no_repeat_ngram_size = 1 + i % 3;
     if (i % 9 == 4) {
       for (int32_t t = 32; t < 128; ++t) r.sampling.allowed_token_ids.push_back(t);
     }

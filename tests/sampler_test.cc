@@ -220,6 +220,18 @@ TEST(SamplerTest, ControlsByHand) {
   p.min_tokens_banned = {0};
   EXPECT_EQ(greedy(p, {}, 1), 1);
   EXPECT_EQ(greedy(p, {}, 2), 0);
+  // no_repeat_ngram_size: 2 bans 0 after 1 0 1 (1 0 seen); 3 bans nothing there (no 0 1 x) and 0
+  // after 0 1 0 1 (0 1 0 seen); 1 bans every token seen.
+  p = {};
+  p.no_repeat_ngram_size = 2;
+  EXPECT_EQ(greedy(p, {1, 0, 1}, 3), 1);
+  EXPECT_EQ(greedy(p, {0, 1}, 2), 0);
+  p.no_repeat_ngram_size = 3;
+  EXPECT_EQ(greedy(p, {1, 0, 1}, 3), 0);
+  EXPECT_EQ(greedy(p, {0, 1, 0, 1}, 4), 1);
+  EXPECT_EQ(greedy(p, {0, 1}, 2), 0) << "no 3-gram yet";
+  p.no_repeat_ngram_size = 1;
+  EXPECT_EQ(greedy(p, {0, 1}, 0), 2);
   // Every token banned: nothing is drawn, greedy or sampled.
   p = {};
   p.allowed_token_ids = {2};

@@ -1,11 +1,12 @@
 """The sampling controls (presence/frequency penalties, logit bias, allowed ids, bad words,
-min_tokens, truncate_prompt_tokens, skip_special_tokens) end to end, against transformers' logits processors on the same
+min_tokens, no_repeat_ngram_size, truncate_prompt_tokens, skip_special_tokens) end to end, against transformers' logits processors on the same
 tiny Hugging Face checkpoints (BLOOM and T5, random weights, made by tools/make_hf_checkpoints.py
 and tools/make_t5_checkpoints.py).
 
 The reference decodes greedily with transformers' forward() in a loop (torch 1.13's generate()
 trips on an fsdp import), applying RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
-NoBadWordsLogitsProcessor and MinNewTokensLengthLogitsProcessor, OpenAI's presence/frequency
+NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor and MinNewTokensLengthLogitsProcessor,
+OpenAI's presence/frequency
 definition and an allowed-ids mask, in relgen's order (engine/backends/sampler.h). relgen answers
 over gRPC and over the OpenAI-compatible HTTP API; both must give the reference's tokens.
 
@@ -24,8 +25,8 @@ from openai_api_test import Server, relgen_client  # noqa: E402  (stubs and the 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, T5ForConditionalGeneration  # noqa: E402
 from transformers.generation.logits_process import (  # noqa: E402
-    MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor)
+    MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 NEW_TOKENS = 20
 # The reference's best processed logit must lead the next by this much at every step, so float32
@@ -55,7 +56,7 @@ class Reference:
 
     def generate(self, prompt, *, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                  logit_bias=None, allowed_token_ids=(), bad_words=(), min_tokens=0, stop_token_ids=(),
-                 truncate_prompt_tokens=0, max_new_tokens=NEW_TOKENS):
+                 no_repeat_ngram_size=0, truncate_prompt_tokens=0, max_new_tokens=NEW_TOKENS):
         if truncate_prompt_tokens:
             prompt = prompt[-truncate_prompt_tokens:]
         seq = [self.start] if self.encoder_decoder else list(prompt)  # the history
@@ -85,6 +86,8 @@ class Reference:
                     scores = scores + mask
                 if bad_words:
                     scores = NoBadWordsLogitsProcessor([list(w) for w in bad_words])(ids, scores)
+                if no_repeat_ngram_size:
+                    scores = NoRepeatNGramLogitsProcessor(no_repeat_ngram_size)(ids, scores)
                 if min_tokens:
                     banned = list(stop_token_ids) + [self.eos]
                     scores = MinNewTokensLengthLogitsProcessor(len(seq) - len(out), min_tokens, banned)(ids, scores)
@@ -157,6 +160,13 @@ class ControlsTestBase:
         self.expect(bad_words=[[base[0]]])
         self.expect(bad_words=[[base[0], base[1]], [base[2], base[3], base[4]]])
 
+    def test_no_repeat_ngram_size(self):
+        base = self.ref.generate(self.prompt)
+        for n in (1, 2, 3):
+            with self.subTest(n=n):
+                self.assertNotEqual(self.expect(no_repeat_ngram_size=n), base)
+        self.expect(no_repeat_ngram_size=2, presence_penalty=0.5, logit_bias={base[0]: 2.0})
+
     def test_min_tokens_holds_back_the_stop_ids(self):
         base = self.ref.generate(self.prompt, presence_penalty=1.0)
         stop = base[2]
@@ -213,7 +223,7 @@ class ControlsTestBase:
         for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 1.5),
                              ("min_tokens", NEW_TOKENS + 1), ("logit_bias", {"100000": 1}),
                              ("logit_bias", {"5": 101}), ("allowed_token_ids", [-1]), ("bad_words", [[]]),
-                             ("bad_words", [[1, 100000]])):
+                             ("bad_words", [[1, 100000]]), ("no_repeat_ngram_size", 65)):
             with self.subTest(field=field, value=value):
                 body = {"model": self.model_name, "prompt": self.prompt, "max_tokens": NEW_TOKENS, field: value}
                 status, answer = self.post("/v1/completions", body, expect_error=True)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -50,6 +51,16 @@ inline std::vector<double> ReferenceLogits(const std::vector<float>& logits, con
   }
   if (index < p.min_tokens) {
     for (int32_t t : p.min_tokens_banned) x[t] = -INFINITY;
+  }
+  // transformers' NoRepeatNGramLogitsProcessor: the n-grams by their first n - 1 tokens.
+  const size_t n = p.no_repeat_ngram_size;
+  if (n > 0 && history.size() + 1 >= n) {
+    std::map<std::vector<int32_t>, std::vector<int32_t>> ngrams;
+    for (size_t i = 0; i + n <= history.size(); ++i) {
+      ngrams[std::vector<int32_t>(history.begin() + i, history.begin() + i + n - 1)].push_back(history[i + n - 1]);
+    }
+    const std::vector<int32_t> last(history.end() - (n - 1), history.end());
+    for (int32_t t : ngrams[last]) x[t] = -INFINITY;
   }
   return x;
 }
@@ -131,6 +142,10 @@ inline std::vector<SamplingParams> ControlCases() {
   add(0.0f, 0, 1.0f, [](SamplingParams& p) { p.presence_penalty = 2.0f, p.frequency_penalty = 2.0f; });
   add(0.0f, 0, 1.0f, [](SamplingParams& p) { p.logit_bias = {{1, 5.0f}}, p.bad_words = {{21, 1}}; });
   add(0.0f, 0, 1.0f, [](SamplingParams& p) { p.allowed_token_ids = {8, 30, 44}, p.min_tokens = 9, p.min_tokens_banned = {44}; });
+  // The history ends 3 17 21 and holds 3 17 twice and 17 9 / 17 40 / 17 21 once each.
+  add(1.0f, 0, 1.0f, [](SamplingParams& p) { p.no_repeat_ngram_size = 1; });
+  add(0.9f, 0, 1.0f, [](SamplingParams& p) { p.no_repeat_ngram_size = 2; });
+  add(0.0f, 0, 1.0f, [](SamplingParams& p) { p.no_repeat_ngram_size = 1, p.logit_bias = {{40, 10.0f}}; });
   return cases;
 }
 
@@ -138,7 +153,8 @@ inline std::string Describe(const SamplingParams& p) {
   std::string s = absl::StrCat("T ", p.temperature, " top_k ", p.top_k, " top_p ", p.top_p, " rep ", p.repetition_penalty,
                                " presence ", p.presence_penalty, " frequency ", p.frequency_penalty, " min_p ", p.min_p,
                                " min_tokens ", p.min_tokens, " bias ", p.logit_bias.size(), " allowed ",
-                               p.allowed_token_ids.size(), " bad words ", p.bad_words.size());
+                               p.allowed_token_ids.size(), " bad words ", p.bad_words.size(), " no_repeat_ngram_size ",
+                               p.no_repeat_ngram_size);
   return s;
 }
 

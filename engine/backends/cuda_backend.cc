@@ -722,6 +722,7 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
       d.presence_penalty = p.presence_penalty;
       d.frequency_penalty = p.frequency_penalty;
       d.min_p = p.min_p;
+      d.no_repeat_ngram_size = p.no_repeat_ngram_size;
       if (p.NeedsHistory()) {
         d.history_offset = offset;
         d.history_len = static_cast<int32_t>(r.history.size());

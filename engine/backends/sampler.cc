@@ -207,6 +207,14 @@ absl::Span<const float> Processed(absl::Span<const float> logits, const Sampling
       if (valid(t)) s->x[t] = -INFINITY;
     }
   }
+  const size_t ngram = static_cast<size_t>(std::max(p.no_repeat_ngram_size, 0));
+  if (ngram > 0 && history.size() >= ngram) {
+    const auto suffix = history.end() - (ngram - 1);
+    for (size_t i = 0; i + ngram <= history.size(); ++i) {
+      const int32_t t = history[i + ngram - 1];
+      if (valid(t) && std::equal(suffix, history.end(), history.begin() + i)) s->x[t] = -INFINITY;
+    }
+  }
   *none_left = MaxOf(s->x.data(), v) == -INFINITY;
   return s->x;
 }

@@ -13,7 +13,9 @@
 // 3. x += logit_bias[token].
 // 4. -inf for: tokens outside allowed_token_ids (when given); a bad word's last token when the
 //    history ends with the word's other tokens (a one-token word always); while index < min_tokens,
-//    min_tokens_banned (the end-of-sequence token and the stop token ids).
+//    min_tokens_banned (the end-of-sequence token and the stop token ids); with
+//    no_repeat_ngram_size n, the last token of every n-gram of the history whose first n - 1 tokens
+//    are the history's last n - 1 (transformers' NoRepeatNGramLogitsProcessor).
 // If every logit is then -inf, nothing is drawn (the token is -1: the sequence ends, reason stop).
 // - Greedy (temperature 0) takes the largest processed logit, lowest id on ties.
 // - Otherwise w_i = exp((x_i - max x) / temperature) in float. Candidates are ordered by w
@@ -49,15 +51,20 @@ struct SamplingParams {
   std::vector<std::pair<int32_t, float>> logit_bias;  // by id, unique
   std::vector<int32_t> allowed_token_ids;  // sorted, unique; empty: every token
   std::vector<std::vector<int32_t>> bad_words;  // each non-empty
+  int no_repeat_ngram_size = 0;  // 0: off
 
   // Whether steps 2-4 of the definitions can change the row at generated token `index`.
   bool ProcessesRow(int index) const {
     return presence_penalty != 0.0f || frequency_penalty != 0.0f || !logit_bias.empty() ||
-           !allowed_token_ids.empty() || !bad_words.empty() || (index < min_tokens && !min_tokens_banned.empty());
+           !allowed_token_ids.empty() || !bad_words.empty() || no_repeat_ngram_size > 0 ||
+           (index < min_tokens && !min_tokens_banned.empty());
   }
   // Whether the device needs the history (steps 1, 2 and words of more than one token).
   bool NeedsHistory() const {
-    if (repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f) return true;
+    if (repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f ||
+        no_repeat_ngram_size > 0) {
+      return true;
+    }
     for (const auto& w : bad_words) {
       if (w.size() > 1) return true;
     }
@@ -71,6 +78,7 @@ inline constexpr int kMaxAllowedTokens = 4096;
 inline constexpr int kMaxBadWords = 128;
 inline constexpr int kMaxBadWordTokens = 1024;  // all words together
 inline constexpr int kMaxMinTokensBanned = 65;   // the end-of-sequence token and 64 stop token ids
+inline constexpr int kMaxNoRepeatNgram = 64;
 // int32 words one query's controls take on the device at most (see the CUDA backend's layout).
 inline constexpr int kMaxControlWords =
     4 + 2 * kMaxLogitBias + kMaxAllowedTokens + kMaxMinTokensBanned + kMaxBadWords + kMaxBadWordTokens;

@@ -280,6 +280,10 @@ absl::Status CheckControls(Request* r, int vocab, int32_t eos) {
   if (words > kMaxBadWordTokens) {
     return absl::InvalidArgumentError(absl::StrCat("bad_words hold ", words, " tokens; allowed at most ", kMaxBadWordTokens));
   }
+  if (p.no_repeat_ngram_size < 0 || p.no_repeat_ngram_size > kMaxNoRepeatNgram) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no_repeat_ngram_size ", p.no_repeat_ngram_size, "; allowed 0..", kMaxNoRepeatNgram, " (0 = off)"));
+  }
   p.min_tokens_banned.clear();
   if (p.min_tokens > 0) {
     p.min_tokens_banned = r->stop.stop_token_ids;

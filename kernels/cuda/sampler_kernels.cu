@@ -47,7 +47,7 @@ struct Smem {
   Pair pair[kThreads];
 };
 
-__global__ void __launch_bounds__(kThreads) AnswerRowsKernel(float* logits, int vocab, const DeviceQuery* queries, const int32_t* history,
+__global__ void __launch_bounds__(kThreads, 4) AnswerRowsKernel(float* logits, int vocab, const DeviceQuery* queries, const int32_t* history,
                                  float* history_raw, const double* u_override, DeviceAnswer* answers) {
   __shared__ Smem sm;
   const DeviceQuery q = queries[blockIdx.x];
@@ -165,6 +165,18 @@ __global__ void __launch_bounds__(kThreads) AnswerRowsKernel(float* logits, int 
         for (int m = 0; match && m < len - 1; ++m) match = hist[q.history_len - (len - 1) + m] == tok[m];
         if (match) row[tok[len - 1]] = -INFINITY;
         w += 1 + len;
+      }
+    }
+    __syncthreads();
+  }
+  if (q.no_repeat_ngram_size > 0) {
+    // One thread: a pass over the history's n-grams, as short as the output.
+    const int n = q.no_repeat_ngram_size;
+    if (tid == 0 && q.history_len >= n) {
+      for (int i = 0; i + n <= q.history_len; ++i) {
+        bool match = valid(hist[i + n - 1]);
+        for (int m = 0; match && m < n - 1; ++m) match = hist[i + m] == hist[q.history_len - (n - 1) + m];
+        if (match) row[hist[i + n - 1]] = -INFINITY;
       }
     }
     __syncthreads();

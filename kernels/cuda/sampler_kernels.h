@@ -35,6 +35,7 @@ struct DeviceQuery {
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
   float min_p = 0.0f;
+  int32_t no_repeat_ngram_size = 0;  // 0: off (else the history is sent)
   // Into `history`: the query's other controls, -1 for none. Int32 words: the logit bias's count
   // and (id, float bits) pairs; the allowed ids' count and ids (sorted; none: every id); the
   // banned ids' count and ids (min_tokens: the host sends them only while they apply); the bad

@@ -68,7 +68,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int32_t t : out.prompt) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
   if (req.has_text()) {
     FUZZ_CHECK(static_cast<int64_t>(req.text().size()) <= options.max_prompt_bytes);
-    FUZZ_CHECK(out.prompt[0] == config.bos_token_id);
+    // truncate_prompt_tokens keeps the last tokens: the BOS goes with the rest of the front.
+    const bool truncated = req.truncate_prompt_tokens() > 0 && n == req.truncate_prompt_tokens();
+    FUZZ_CHECK(truncated || out.prompt[0] == config.bos_token_id);
   }
   FUZZ_CHECK(out.stop.max_new_tokens >= 1 && out.stop.max_new_tokens <= options.max_new_tokens);
   FUZZ_CHECK(n + out.stop.max_new_tokens <= config.max_seq_len);
@@ -88,5 +90,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(out.n >= 1 && out.n <= relgen::kMaxSamples);
   FUZZ_CHECK(out.prompt_logprobs >= -1 && out.prompt_logprobs <= relgen::kMaxPromptLogprobs);
   FUZZ_CHECK(out.continuations.empty());
+  if (req.truncate_prompt_tokens() > 0) FUZZ_CHECK(n <= req.truncate_prompt_tokens());
+  FUZZ_CHECK(p.presence_penalty >= -2 && p.presence_penalty <= 2);
+  FUZZ_CHECK(p.frequency_penalty >= -2 && p.frequency_penalty <= 2);
+  FUZZ_CHECK(p.min_p >= 0 && p.min_p <= 1);
+  FUZZ_CHECK(p.min_tokens >= 0 && p.min_tokens <= out.stop.max_new_tokens);
+  FUZZ_CHECK(p.no_repeat_ngram_size >= 0 && p.no_repeat_ngram_size <= relgen::kMaxNoRepeatNgram);
+  FUZZ_CHECK(p.logit_bias.size() <= static_cast<size_t>(relgen::kMaxLogitBias));
+  for (const auto& [t, b] : p.logit_bias) FUZZ_CHECK(t >= 0 && t < config.vocab_size && b >= -100 && b <= 100);
+  FUZZ_CHECK(p.allowed_token_ids.size() <= static_cast<size_t>(relgen::kMaxAllowedTokens));
+  for (int32_t t : p.allowed_token_ids) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
+  size_t words = 0;
+  for (const auto& w : p.bad_words) {
+    FUZZ_CHECK(!w.empty());
+    for (int32_t t : w) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
+    words += w.size();
+  }
+  FUZZ_CHECK(p.bad_words.size() <= static_cast<size_t>(relgen::kMaxBadWords) &&
+             words <= static_cast<size_t>(relgen::kMaxBadWordTokens));
   return 0;
 }

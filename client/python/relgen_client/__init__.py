@@ -128,7 +128,8 @@ class Client:
                  logprobs=None, ignore_eos: bool = False, request_id: str = "", n=None,
                  prompt_logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
                  allowed_token_ids: Sequence[int] = (), bad_words: Sequence[Sequence[int]] = (), min_tokens=None,
-                 min_p=None, truncate_prompt_tokens=None, skip_special_tokens=None) -> pb.GenerateRequest:
+                 min_p=None, truncate_prompt_tokens=None, skip_special_tokens=None,
+                 no_repeat_ngram_size=None) -> pb.GenerateRequest:
         r = pb.GenerateRequest(request_id=request_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                ignore_eos=ignore_eos, allowed_token_ids=list(allowed_token_ids))
         for word in bad_words:
@@ -145,7 +146,8 @@ class Client:
                             ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                             ("min_tokens", min_tokens), ("min_p", min_p),
                             ("truncate_prompt_tokens", truncate_prompt_tokens),
-                            ("skip_special_tokens", skip_special_tokens)):
+                            ("skip_special_tokens", skip_special_tokens),
+                            ("no_repeat_ngram_size", no_repeat_ngram_size)):
             if value is not None:
                 setattr(r, name, value)
         return r
