@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, 4) AnswerRowsKernel(float* logits, i
     __syncthreads();
   }
   if (q.no_repeat_ngram_size > 0) {
-    // One thread: a pass over the history's n-grams, as short as the output.
+    // One thread: a pass over the history's n-grams (length x n compares; the other bans are as cheap).
     const int n = q.no_repeat_ngram_size;
     if (tid == 0 && q.history_len >= n) {
       for (int i = 0; i + n <= q.history_len; ++i) {
