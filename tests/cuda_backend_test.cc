@@ -1634,32 +1634,35 @@ TEST(CudaSamplerTest, ExactDistributionPerControl) {
   }
 }
 
-// The controls of tests/sampling_reference.h's ControlCases, laid out for the device by hand
-// (sampler_kernels.h, DeviceQuery::controls_offset): each kept token's midpoint draw returns it,
-// a greedy query the reference's argmax, as SamplerTest.ControlsMatchTheReference on the host.
+// A query's controls laid out for the device by hand (sampler_kernels.h, DeviceQuery::controls_offset).
+std::vector<int32_t> DeviceControls(const SamplingParams& p, int index) {
+  std::vector<int32_t> c = {static_cast<int32_t>(p.logit_bias.size())};
+  for (const auto& [t, b] : p.logit_bias) {
+    int32_t bits;
+    std::memcpy(&bits, &b, sizeof(bits));
+    c.insert(c.end(), {t, bits});
+  }
+  c.push_back(static_cast<int32_t>(p.allowed_token_ids.size()));
+  c.insert(c.end(), p.allowed_token_ids.begin(), p.allowed_token_ids.end());
+  const bool bans = index < p.min_tokens;
+  c.push_back(bans ? static_cast<int32_t>(p.min_tokens_banned.size()) : 0);
+  if (bans) c.insert(c.end(), p.min_tokens_banned.begin(), p.min_tokens_banned.end());
+  c.push_back(static_cast<int32_t>(p.bad_words.size()));
+  for (const auto& w : p.bad_words) {
+    c.push_back(static_cast<int32_t>(w.size()));
+    c.insert(c.end(), w.begin(), w.end());
+  }
+  return c;
+}
+
+// The controls of tests/sampling_reference.h's ControlCases on the device: each kept token's
+// midpoint draw returns it, a greedy query the reference's argmax, as
+// SamplerTest.ControlsMatchTheReference on the host.
 TEST(CudaSamplerTest, ControlsMatchTheReference) {
   REQUIRE_GPU();
   const int v = 48;
   const std::vector<float> logits = NormalLogits(v, 5 + v, 1.5f);
-  auto controls = [](const SamplingParams& p, int index) {
-    std::vector<int32_t> c = {static_cast<int32_t>(p.logit_bias.size())};
-    for (const auto& [t, b] : p.logit_bias) {
-      int32_t bits;
-      std::memcpy(&bits, &b, sizeof(bits));
-      c.insert(c.end(), {t, bits});
-    }
-    c.push_back(static_cast<int32_t>(p.allowed_token_ids.size()));
-    c.insert(c.end(), p.allowed_token_ids.begin(), p.allowed_token_ids.end());
-    const bool bans = index < p.min_tokens;
-    c.push_back(bans ? static_cast<int32_t>(p.min_tokens_banned.size()) : 0);
-    if (bans) c.insert(c.end(), p.min_tokens_banned.begin(), p.min_tokens_banned.end());
-    c.push_back(static_cast<int32_t>(p.bad_words.size()));
-    for (const auto& w : p.bad_words) {
-      c.push_back(static_cast<int32_t>(w.size()));
-      c.insert(c.end(), w.begin(), w.end());
-    }
-    return c;
-  };
+  auto controls = DeviceControls;
   for (const SamplingParams& p : ControlCases()) {
     SCOPED_TRACE(Describe(p));
     const std::vector<double> ref = ReferenceProbs(logits, p, kControlHistory, kControlIndex);
@@ -1723,6 +1726,49 @@ TEST(CudaSamplerTest, ControlsMatchTheReference) {
   q.controls_offset = 0;
   const std::vector<cuda::DeviceAnswer> banned = AnswerOnDevice(logits, v, {q}, controls(p, 0), {0.5});
   EXPECT_EQ(banned[0].token, -1);
+}
+
+// Beam search's candidates (draw 2) under every control case, all in one batch (each query its own
+// row, history and controls): the reference's tokens in its order, their log-probabilities within
+// float rounding, as SamplerTest.BeamCandidatesMatchTheReference on the host.
+TEST(CudaSamplerTest, BeamCandidatesMatchTheReference) {
+  REQUIRE_GPU();
+  const int v = 48;
+  const std::vector<float> logits = NormalLogits(v, 7 + v, 2.0f);
+  const std::vector<SamplingParams> cases = ControlCases();
+  std::vector<float> rows;
+  std::vector<int32_t> words;
+  std::vector<cuda::DeviceQuery> queries;
+  std::vector<std::vector<TokenLogprob>> want;
+  for (const SamplingParams& p : cases) {
+    for (int n : {1, 32}) {
+      cuda::DeviceQuery q = DrawQuery(p, static_cast<int>(queries.size()), static_cast<int>(kControlHistory.size()));
+      q.draw = 2;
+      q.top_n = n;
+      q.index = kControlIndex;
+      q.presence_penalty = p.presence_penalty;
+      q.frequency_penalty = p.frequency_penalty;
+      q.no_repeat_ngram_size = p.no_repeat_ngram_size;
+      q.history_offset = static_cast<int>(words.size());
+      words.insert(words.end(), kControlHistory.begin(), kControlHistory.end());
+      q.controls_offset = static_cast<int>(words.size());
+      const std::vector<int32_t> c = DeviceControls(p, kControlIndex);
+      words.insert(words.end(), c.begin(), c.end());
+      rows.insert(rows.end(), logits.begin(), logits.end());
+      queries.push_back(q);
+      want.push_back(ReferenceBeamCandidates(logits, p, kControlHistory, kControlIndex, n));
+    }
+  }
+  const std::vector<cuda::DeviceAnswer> got = AnswerOnDevice(rows, v, queries, words, {});
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "query " << i << " " << Describe(cases[i / 2]));
+    ASSERT_EQ(got[i].num_top, static_cast<int>(want[i].size()));
+    for (size_t j = 0; j < want[i].size(); ++j) {
+      EXPECT_EQ(got[i].top_token[j], want[i][j].token) << j;
+      EXPECT_NEAR(got[i].top_logprob[j], want[i][j].logprob, 2e-6) << j;
+    }
+    EXPECT_EQ(got[i].token, want[i].empty() ? -1 : want[i][0].token);
+  }
 }
 
 // Greedy (with the penalty), log-probabilities of the raw logits with their alternatives, scores of

@@ -189,6 +189,44 @@ TEST(SamplerTest, ControlsMatchTheReference) {
   }
 }
 
+// Beam search's candidates under every control case: the reference's tokens in its order, their
+// processed log-probabilities within float rounding; banned tokens never appear.
+TEST(SamplerTest, BeamCandidatesMatchTheReference) {
+  for (int v : {48, 300}) {
+    const std::vector<float> logits = NormalLogits(v, 7 + v, 2.0f);
+    for (const SamplingParams& p : ControlCases()) {
+      for (int n : {1, 4, 32}) {
+        SCOPED_TRACE(testing::Message() << "vocab " << v << " n " << n << " " << Describe(p));
+        const std::vector<TokenLogprob> want = ReferenceBeamCandidates(logits, p, kControlHistory, kControlIndex, n);
+        SamplerScratch scratch;
+        const SampleResult got = BeamCandidates(logits, p, kControlHistory, kControlIndex, n, &scratch);
+        ASSERT_EQ(got.top.size(), want.size());
+        for (size_t i = 0; i < want.size(); ++i) {
+          EXPECT_EQ(got.top[i].token, want[i].token) << i;
+          EXPECT_NEAR(got.top[i].logprob, want[i].logprob, 2e-6) << i;
+        }
+        EXPECT_EQ(got.token, want.empty() ? -1 : want[0].token);
+      }
+    }
+  }
+  // Fewer unbanned tokens than asked: only those; none: token -1.
+  const std::vector<float> logits = {0.5f, 2.0f, -1.0f, 1.0f};
+  SamplingParams p;
+  p.allowed_token_ids = {0, 2};
+  SamplerScratch scratch;
+  SampleResult r = BeamCandidates(logits, p, {}, 0, 4, &scratch);
+  ASSERT_EQ(r.top.size(), 2u);
+  const double log_z = std::log(std::exp(0.5) + std::exp(2.0) + std::exp(-1.0) + std::exp(1.0));
+  EXPECT_EQ(r.top[0].token, 0);
+  EXPECT_NEAR(r.top[0].logprob, 0.5 - log_z, 1e-6);
+  EXPECT_EQ(r.top[1].token, 2);
+  EXPECT_NEAR(r.top[1].logprob, -1.0 - log_z, 1e-6);
+  p.bad_words = {{0}, {2}};
+  r = BeamCandidates(logits, p, {}, 0, 4, &scratch);
+  EXPECT_EQ(r.token, -1);
+  EXPECT_TRUE(r.top.empty());
+}
+
 // Each control changes what is drawn in the way its definition says, on a row where the effect is
 // known by hand.
 TEST(SamplerTest, ControlsByHand) {

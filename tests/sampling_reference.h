@@ -149,6 +149,26 @@ inline std::vector<SamplingParams> ControlCases() {
   return cases;
 }
 
+// Beam search's candidates (sampler.h, BeamCandidates): log_softmax of the raw logits with the
+// processing applied, the n best unbanned (larger first, lower id first), in float64.
+inline std::vector<TokenLogprob> ReferenceBeamCandidates(const std::vector<float>& logits, const SamplingParams& p,
+                                                         const std::vector<int32_t>& history, int index, int n) {
+  const std::vector<double> x = ReferenceLogits(logits, p, history, index);
+  const double mx = *std::max_element(logits.begin(), logits.end());
+  double z = 0;
+  for (float l : logits) z += std::exp(l - mx);
+  const double log_z = mx + std::log(z);
+  std::vector<int> order(x.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return x[a] > x[b]; });
+  std::vector<TokenLogprob> out;
+  for (int i : order) {
+    if (static_cast<int>(out.size()) == n || x[i] == -INFINITY) break;
+    out.push_back({i, static_cast<float>(x[i] - log_z)});
+  }
+  return out;
+}
+
 inline std::string Describe(const SamplingParams& p) {
   std::string s = absl::StrCat("T ", p.temperature, " top_k ", p.top_k, " top_p ", p.top_p, " rep ", p.repetition_penalty,
                                " presence ", p.presence_penalty, " frequency ", p.frequency_penalty, " min_p ", p.min_p,

@@ -672,7 +672,7 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
     if (r.row < 0 || r.row >= kept_) {
       return absl::InvalidArgumentError(absl::StrCat("query of row ", r.row, "; the step kept ", kept_, " rows"));
     }
-    const int top_n = r.params != nullptr ? r.params->logprobs : r.top_n;
+    const int top_n = r.params == nullptr ? r.top_n : r.beam > 0 ? r.beam : r.params->logprobs;
     if (top_n > cuda::kMaxAnswerTop || (r.params == nullptr && (r.token < 0 || r.token >= vocab))) {
       return absl::InvalidArgumentError(absl::StrCat("query of token ", r.token, " with ", top_n,
                                                      " alternatives; allowed ids 0..", vocab - 1, ", up to ",
@@ -711,8 +711,8 @@ absl::Status CudaBackend::AnswerOnDevice(absl::Span<const RowQuery> queries) {
       d.top_n = r.top_n;
     } else {
       const SamplingParams& p = *r.params;
-      d.draw = 1;
-      d.top_n = p.logprobs;
+      d.draw = r.beam > 0 ? 2 : 1;
+      d.top_n = r.beam > 0 ? r.beam : p.logprobs;
       d.temperature = p.temperature;
       d.top_p = p.top_p;
       d.repetition_penalty = p.repetition_penalty;

@@ -337,7 +337,10 @@ int32_t DrawToken(absl::Span<const float> logits, const SamplingParams& p, absl:
   return std::max(last_kept, 0);
 }
 
-SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int top_n) {
+namespace {
+
+// log(sum exp(logits)).
+double LogNormaliser(absl::Span<const float> logits) {
   const int v = static_cast<int>(logits.size());
   const float mx = MaxOf(logits.data(), v);
   thread_local std::vector<float> w;
@@ -347,25 +350,54 @@ SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int to
   Weights(logits.data(), v, mx, 1.0f, w.data(), chunk.data());
   double z = 0;
   for (double c : chunk) z += c;
-  const double log_z = mx + std::log(z);
+  return mx + std::log(z);
+}
+
+// The n largest of x that are above -inf, best first (ties: lower id first), as x_i - log_z.
+void TopOf(absl::Span<const float> x, int n, double log_z, std::vector<TokenLogprob>* top) {
+  const int v = static_cast<int>(x.size());
+  n = std::min(n, v);
+  if (n <= 0) return;
+  // The n best so far, best first; most ids fail the first comparison.
+  std::vector<int32_t> best;
+  best.reserve(n + 1);
+  auto better = [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  float worst = -INFINITY;
+  for (int32_t i = 0; i < v; ++i) {
+    if (x[i] < worst) continue;
+    if (static_cast<int>(best.size()) == n && !better(i, best.back())) continue;
+    best.insert(std::upper_bound(best.begin(), best.end(), i, better), i);
+    if (static_cast<int>(best.size()) > n) best.pop_back();
+    if (static_cast<int>(best.size()) == n) worst = x[best.back()];
+  }
+  for (int32_t i : best) top->push_back({i, static_cast<float>(x[i] - log_z)});
+}
+
+}  // namespace
+
+SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int top_n) {
+  const double log_z = LogNormaliser(logits);
   SampleResult out;
   out.token = token;
   out.logprob = static_cast<float>(logits[token] - log_z);
-  const int n = std::min(top_n, v);
-  if (n > 0) {
-    // The n best so far, best first; most ids fail the first comparison.
-    std::vector<int32_t> best;
-    best.reserve(n + 1);
-    auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
-    float worst = -INFINITY;
-    for (int32_t i = 0; i < v; ++i) {
-      if (logits[i] < worst) continue;
-      if (static_cast<int>(best.size()) == n && !better(i, best.back())) continue;
-      best.insert(std::upper_bound(best.begin(), best.end(), i, better), i);
-      if (static_cast<int>(best.size()) > n) best.pop_back();
-      if (static_cast<int>(best.size()) == n) worst = logits[best.back()];
-    }
-    for (int32_t i : best) out.top.push_back({i, static_cast<float>(logits[i] - log_z)});
+  TopOf(logits, top_n, log_z, &out.top);
+  return out;
+}
+
+SampleResult BeamCandidates(absl::Span<const float> logits, const SamplingParams& p,
+                            absl::Span<const int32_t> history, int index, int n, SamplerScratch* scratch) {
+  const double log_z = LogNormaliser(logits);
+  bool none_left = false;
+  const absl::Span<const float> x = Processed(logits, p, history, index, scratch, &none_left);
+  SampleResult out;
+  out.token = -1;
+  if (none_left) return out;
+  TopOf(x, n, log_z, &out.top);
+  // Banned tokens (-inf) are never candidates.
+  while (!out.top.empty() && x[out.top.back().token] == -INFINITY) out.top.pop_back();
+  if (!out.top.empty()) {
+    out.token = out.top.front().token;
+    out.logprob = out.top.front().logprob;
   }
   return out;
 }
@@ -399,8 +431,13 @@ void AnswerQueries(const float* logits, int vocab, absl::Span<const RowQuery> qu
     for (int q = begin; q < end; ++q) {
       const RowQuery& r = queries[q];
       const absl::Span<const float> row(logits + static_cast<size_t>(r.row) * vocab, vocab);
-      (*results)[q] = r.params != nullptr ? Sample(row, *r.params, r.history, r.index, &scratch)
-                                          : TokenLogprobs(row, r.token, r.top_n);
+      if (r.params == nullptr) {
+        (*results)[q] = TokenLogprobs(row, r.token, r.top_n);
+      } else if (r.beam > 0) {
+        (*results)[q] = BeamCandidates(row, *r.params, r.history, r.index, r.beam, &scratch);
+      } else {
+        (*results)[q] = Sample(row, *r.params, r.history, r.index, &scratch);
+      }
     }
   };
   const int n = static_cast<int>(queries.size());

@@ -114,6 +114,14 @@ int32_t DrawToken(absl::Span<const float> logits, const SamplingParams& params,
 // `token`'s log-softmax under `logits` and the `top_n` most likely tokens' (ties: lower id first).
 SampleResult TokenLogprobs(absl::Span<const float> logits, int32_t token, int top_n);
 
+// Beam search's candidates from one beam's row: the `n` best tokens by processed logit (steps 1-4
+// above; larger first, lower id first on ties), none banned, each with its processed logit minus
+// the raw logits' log-normaliser, i.e. log_softmax(raw) with the controls applied to it as
+// transformers' beam search applies its logits processors (bans: -inf; a bias: added). `token` is
+// the best candidate, -1 when every token is banned; fewer than n when fewer are left.
+SampleResult BeamCandidates(absl::Span<const float> logits, const SamplingParams& params,
+                            absl::Span<const int32_t> history, int index, int n, SamplerScratch* scratch);
+
 // The uniform draw in [0, 1) used for generated token `index` of a request with `seed`.
 double SampleUniform(uint64_t seed, int index);
 
@@ -129,6 +137,8 @@ struct RowQuery {
   // Draws: >= 0 when the history's last token is the one the previous launch drew for its query
   // `fed_query` (backend.h, SequenceStep::fed_query); its value in `history` is a placeholder.
   int fed_query = -1;
+  // Draws: > 0 answers BeamCandidates(.., beam) instead of drawing (not fed to a later launch).
+  int beam = 0;
 };
 
 // Answers `queries` from `logits` (rows of `vocab`), results in query order. `parallel_for(n, fn)`

@@ -62,6 +62,7 @@ __global__ void __launch_bounds__(kThreads, 4) AnswerRowsKernel(float* logits, i
 
   // Log-probabilities of the raw logits, before anything changes the row.
   double log_z = 0;
+  const bool beam = q.draw == 2;  // candidates from the processed row, after the processing below
   const bool want_lp = !q.draw || q.top_n >= 0;
   if (want_lp) {
     Pair m = none;
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(kThreads, 4) AnswerRowsKernel(float* logits, i
     for (int i = tid; i < vocab; i += kThreads) z += expf(row[i] - mx);
     z = Reduce(z, sm.f64, [](double a, double b) { return a + b; });
     log_z = mx + log(z);
-    const int n = q.top_n < 0 ? 0 : q.top_n > kMaxAnswerTop ? kMaxAnswerTop : q.top_n;
+    const int n = q.top_n < 0 || beam ? 0 : q.top_n > kMaxAnswerTop ? kMaxAnswerTop : q.top_n;
     Pair last{INFINITY, -1};
     for (int k = 0; k < n && k < vocab; ++k) {
       Pair c = none;
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 4) AnswerRowsKernel(float* logits, i
         out->top_logprob[k] = static_cast<float>(last.v - log_z);
       }
     }
-    if (tid == 0) out->num_top = n < vocab ? n : vocab;
+    if (tid == 0 && !beam) out->num_top = n < vocab ? n : vocab;
   }
   if (!q.draw) {
     if (tid == 0) {
@@ -180,6 +181,32 @@ __global__ void __launch_bounds__(kThreads, 4) AnswerRowsKernel(float* logits, i
       }
     }
     __syncthreads();
+  }
+  if (beam) {
+    // The best unbanned tokens of the processed row, as log_softmax(raw) processed.
+    const int n = q.top_n > kMaxAnswerTop ? kMaxAnswerTop : q.top_n;
+    Pair last{INFINITY, -1};
+    int found = 0;
+    for (; found < n && found < vocab; ++found) {
+      Pair c = none;
+      for (int i = tid; i < vocab; i += kThreads) {
+        const Pair p{row[i], i};
+        if (Before(last, p) && Before(p, c)) c = p;
+      }
+      c = best(c);
+      if (c.v == -INFINITY) break;
+      last = c;
+      if (tid == 0) {
+        out->top_token[found] = c.id;
+        out->top_logprob[found] = static_cast<float>(c.v - log_z);
+      }
+    }
+    if (tid == 0) {
+      out->num_top = found;
+      out->token = found > 0 ? out->top_token[0] : -1;
+      out->logprob = found > 0 ? out->top_logprob[0] : 0.0f;
+    }
+    return;
   }
   auto raw_of = [&](int32_t t) {
     for (int j = 0; j < q.history_len; ++j) {

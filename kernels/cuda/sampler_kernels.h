@@ -17,11 +17,12 @@
 
 namespace relgen::cuda {
 
-inline constexpr int kMaxAnswerTop = 20;  // the server's logprobs and prompt_logprobs bound
+// The server's logprobs and prompt_logprobs bound (20) and beam search's candidates (2 x 16 beams).
+inline constexpr int kMaxAnswerTop = 32;
 
 struct DeviceQuery {
   int32_t row = 0;
-  int32_t draw = 0;    // 1: draw a token; 0: score `token`
+  int32_t draw = 0;    // 1: draw a token; 0: score `token`; 2: beam candidates (top_n of them)
   int32_t token = 0;   // scores
   int32_t top_n = -1;  // alternatives reported (draws: the request's logprobs; -1 none)
   float temperature = 1.0f;  // draws: 0 greedy
