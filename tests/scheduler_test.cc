@@ -207,5 +207,56 @@ TEST(SchedulerTest, PreemptingFreesOnlyBlocksNobodyElseHolds) {
   EXPECT_TRUE(t.chunks.empty());
 }
 
+// Idle: a beam waiting for its siblings (nothing to compute, its blocks held).
+SchedSeq Idle(int64_t id, int tokens) { return {id, tokens, tokens, (tokens + 3) / 4}; }
+
+TEST(SchedulerTest, IdleSequencesTakeNoChunk) {
+  const SchedSeq run[] = {Idle(1, 8), Decoding(2, 9), Idle(3, 5)};
+  const Schedule s = ComputeSchedule(run, {}, 10, Config());
+  ASSERT_EQ(s.chunks.size(), 1u);
+  EXPECT_EQ(s.chunks[0].id, 2);
+  EXPECT_EQ(s.chunks[0].num_tokens, 1);
+  EXPECT_TRUE(s.preempted.empty());
+}
+
+TEST(SchedulerTest, AnIdleOlderSequenceYieldsToOneThatMustGrow) {
+  // 2 decodes into a new block (9 tokens, 2 blocks held) with none free: the newer 3 goes first
+  // (1 block), which is enough; with 3 holding nothing, the idle older 1 goes (2 blocks).
+  SchedSeq grow = Decoding(2, 9);
+  const SchedSeq run[] = {Idle(1, 8), grow, Idle(3, 4)};
+  const Schedule s = ComputeSchedule(run, {}, 0, Config());
+  EXPECT_EQ(s.preempted, std::vector<int64_t>{3});
+  ASSERT_EQ(s.chunks.size(), 1u);
+  EXPECT_EQ(s.chunks[0].id, 2);
+  SchedSeq empty = Idle(3, 0);
+  const SchedSeq run2[] = {Idle(1, 8), grow, empty};
+  const Schedule t = ComputeSchedule(run2, {}, 0, Config());
+  EXPECT_EQ(t.preempted, (std::vector<int64_t>{3, 1}));
+  ASSERT_EQ(t.chunks.size(), 1u);
+  EXPECT_EQ(t.chunks[0].id, 2);
+}
+
+TEST(SchedulerTest, IdleSequencesMakeRoomForAStarvedHead) {
+  // Nothing computes and the head needs 3 blocks, 1 free: the idle newest (2 blocks) goes, and the
+  // head is admitted the next step; nobody is admitted in this one.
+  const SchedSeq run[] = {Idle(1, 8), Idle(2, 8)};
+  const SchedSeq w[] = {Waiting(3, 10)};
+  const Schedule s = ComputeSchedule(run, w, 1, Config());
+  EXPECT_EQ(s.preempted, std::vector<int64_t>{2});
+  EXPECT_TRUE(s.chunks.empty());
+  // The running-sequence limit likewise.
+  const Schedule t = ComputeSchedule(run, w, 100, Config(100, 2));
+  EXPECT_EQ(t.preempted, std::vector<int64_t>{2});
+  // When preempting every idle one would not make room, none is preempted.
+  const Schedule u = ComputeSchedule(run, {Waiting(3, 40)}, 1, Config());
+  EXPECT_TRUE(u.preempted.empty());
+  EXPECT_TRUE(u.chunks.empty());
+  // When the head fits, it is admitted beside the idle ones.
+  const Schedule v = ComputeSchedule(run, w, 3, Config());
+  EXPECT_TRUE(v.preempted.empty());
+  ASSERT_EQ(v.chunks.size(), 1u);
+  EXPECT_EQ(v.chunks[0].id, 3);
+}
+
 }  // namespace
 }  // namespace relgen

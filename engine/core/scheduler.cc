@@ -1,6 +1,7 @@
 #include "engine/core/scheduler.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "engine/core/kv_cache.h"
 
@@ -12,14 +13,26 @@ Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const Sc
   int budget = config.max_batch_tokens;
   int free = free_blocks;
   int last = static_cast<int>(running.size()) - 1;  // newest running sequence not yet preempted
+  auto idle = [](const SchedSeq& s) { return s.num_tokens == s.num_computed; };
+  auto frees = [](const SchedSeq& s) { return s.num_blocks + s.encoder_blocks - s.shared_blocks; };
+  std::vector<bool> gone(running.size(), false);  // idle ones preempted from before `last`
   for (int i = 0; i <= last && budget > 0; ++i) {
     const SchedSeq& s = running[i];
+    if (idle(s) || gone[i]) continue;
     const int chunk = std::min(s.num_tokens - s.num_computed, budget);
     const int need = BlocksForTokens(s.num_computed + chunk, config.block_size) - s.num_blocks;
     while (need > free && last > i) {
-      out.preempted.push_back(running[last].id);
-      free += running[last].num_blocks + running[last].encoder_blocks - running[last].shared_blocks;
+      if (!gone[last]) {
+        out.preempted.push_back(running[last].id);
+        free += frees(running[last]);
+      }
       --last;
+    }
+    for (int j = i - 1; need > free && j >= 0; --j) {  // idle older ones
+      if (!idle(running[j]) || gone[j]) continue;
+      gone[j] = true;
+      out.preempted.push_back(running[j].id);
+      free += frees(running[j]);
     }
     if (need > free) {  // even alone it cannot grow: it yields its own blocks
       out.preempted.push_back(s.id);
@@ -31,6 +44,26 @@ Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const Sc
     out.chunks.push_back({s.id, chunk, std::max(need, 0), false});
   }
   if (!out.preempted.empty()) return out;
+  if (out.chunks.empty() && !waiting.empty()) {
+    // Nothing computes: idle sequences make room for the queue's head (admitted next step).
+    const SchedSeq& w = waiting.front();
+    const int chunk = std::min(w.num_tokens - w.num_computed, budget);
+    const int need = BlocksForTokens(w.num_computed + chunk, config.block_size) - w.num_blocks + w.cached_blocks +
+                     (w.encoder_blocks > 0 ? 0 : BlocksForTokens(w.encoder_tokens, config.block_size));
+    int slots = static_cast<int>(running.size());
+    std::vector<int64_t> make_room;
+    for (int j = static_cast<int>(running.size()) - 1; j >= 0 && (need > free || slots >= config.max_num_seqs); --j) {
+      if (!idle(running[j])) continue;
+      make_room.push_back(running[j].id);
+      free += frees(running[j]);
+      --slots;
+    }
+    if (!make_room.empty() && need <= free && slots < config.max_num_seqs) {
+      out.preempted = std::move(make_room);
+      return out;
+    }
+    free = free_blocks;
+  }
 
   int num_running = static_cast<int>(running.size());
   int encoder_budget = config.max_encoder_tokens;

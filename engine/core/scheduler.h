@@ -8,6 +8,12 @@
 // sequences are then admitted strictly first-come first-served while the budget, the running-seq
 // limit and the free blocks allow (the head of the queue is never overtaken), and not at all in a
 // step that had to preempt.
+//
+// A running sequence with nothing to compute (num_tokens == num_computed: a beam waiting for its
+// siblings' answers) takes no chunk and holds its blocks; it may be preempted whatever its age,
+// once the newer ones are, for a running sequence that needs blocks. When nothing computes in a
+// step and the queue's head does not fit (blocks or max_num_seqs), such idle sequences are
+// preempted, newest first, until it would, and the head is admitted the next step.
 #pragma once
 
 #include <cstdint>
