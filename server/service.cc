@@ -226,6 +226,7 @@ class UnaryCall final : public Call<UnaryCall, grpc::ServerUnaryReactor> {
         s.set_index(static_cast<int>(i));
         s.set_finish_reason(ToProto(o.finish_reason));
         s.set_generated_tokens(o.generated_tokens);
+        s.set_beam_score(o.beam_score);
         prompt_tokens_ = o.prompt_tokens;
         generated_tokens_ += o.generated_tokens;
         timing_.Add(o);
@@ -241,6 +242,7 @@ class UnaryCall final : public Call<UnaryCall, grpc::ServerUnaryReactor> {
     // Sample 0 in the fields every client knows; all of them in `samples` when there are several.
     v1::Sample& first = samples_[0];
     resp_->set_finish_reason(first.finish_reason());
+    resp_->set_beam_score(first.beam_score());
     resp_->mutable_usage()->set_prompt_tokens(prompt_tokens_);
     resp_->mutable_usage()->set_generated_tokens(generated_tokens_);
     FillTiming(timing_.get(), resp_->mutable_timing());
@@ -337,6 +339,7 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
         return;
       }
       FillFinal(o, &msg_);
+      msg_.set_beam_score(o.beam_score);
       if (last) {
         finished_ = true;
         StartWriteAndFinish(&msg_, grpc::WriteOptions(), status);

@@ -205,6 +205,39 @@ grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c
   if (out->n < 1 || out->n > kMaxSamples) {
     return Invalid("n", absl::StrCat(out->n, " samples; allowed 1..", kMaxSamples));
   }
+  out->num_beams = in.has_num_beams() ? in.num_beams() : 1;
+  if (out->num_beams < 1 || out->num_beams > kMaxBeams) {
+    return Invalid("num_beams", absl::StrCat(out->num_beams, "; allowed 1..", kMaxBeams));
+  }
+  out->num_return_sequences = in.has_num_return_sequences() ? in.num_return_sequences() : 1;
+  if (out->num_return_sequences < 1 || out->num_return_sequences > out->num_beams) {
+    return Invalid("num_return_sequences",
+                   absl::StrCat(out->num_return_sequences, "; allowed 1..num_beams (", out->num_beams, ")"));
+  }
+  out->length_penalty = in.has_length_penalty() ? in.length_penalty() : 1.0f;
+  if (!(out->length_penalty >= -100.0f && out->length_penalty <= 100.0f)) {
+    return Invalid("length_penalty", absl::StrCat(out->length_penalty, "; allowed -100..100"));
+  }
+  switch (in.early_stopping()) {
+    case v1::EARLY_STOPPING_FALSE: out->early_stopping = EarlyStopping::kFalse; break;
+    case v1::EARLY_STOPPING_TRUE: out->early_stopping = EarlyStopping::kTrue; break;
+    case v1::EARLY_STOPPING_NEVER: out->early_stopping = EarlyStopping::kNever; break;
+    default: return Invalid("early_stopping", absl::StrCat(in.early_stopping(), "; allowed FALSE, TRUE, NEVER"));
+  }
+  if (out->num_beams > 1) {
+    // What beam search leaves out, each named (the engine checks the rest).
+    const char* conflict = out->n > 1 ? "n" : in.has_logprobs() ? "logprobs" : in.has_prompt_logprobs() ? "prompt_logprobs"
+                         : in.stop_size() > 0 ? "stop" : in.stop_token_ids_size() > 0 ? "stop_token_ids"
+                         : in.has_repetition_penalty() && in.repetition_penalty() != 1.0f ? "repetition_penalty"
+                         : in.has_presence_penalty() && in.presence_penalty() != 0.0f ? "presence_penalty"
+                         : in.has_frequency_penalty() && in.frequency_penalty() != 0.0f ? "frequency_penalty" : nullptr;
+    if (conflict != nullptr) {
+      return Invalid(conflict, absl::StrCat("not with num_beams > 1 (", out->num_beams,
+                                            "); beam search returns num_return_sequences sequences, ends a beam at "
+                                            "the end-of-sequence token or max_new_tokens, and applies the controls "
+                                            "that ban or bias tokens"));
+    }
+  }
   if (in.has_prompt_logprobs()) {
     if (in.prompt_logprobs() < 0 || in.prompt_logprobs() > kMaxPromptLogprobs) {
       return Invalid("prompt_logprobs", absl::StrCat(in.prompt_logprobs(), "; allowed 0..", kMaxPromptLogprobs));

@@ -1,6 +1,7 @@
 #include "engine/core/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
@@ -41,6 +42,7 @@ void RequestHandle::Deliver(Output&& delta) {
       p.prompt_tokens = delta.prompt_tokens;
       p.generated_tokens = delta.generated_tokens;
       p.timing = delta.timing;
+      p.beam_score = delta.beam_score;
       closed_ = true;
     }
     has_pending_ = true;
@@ -131,6 +133,11 @@ struct Engine::Seq {
   // blocks): each takes references to those blocks (and the input's K/V of an encoder-decoder model).
   std::vector<std::unique_ptr<Seq>> followers;
   int fork_tokens = 0;
+  // Beam search: the group, this beam's place in it, and whether its candidates for the group's
+  // step are in (it then waits for its siblings', computing nothing).
+  std::shared_ptr<BeamGroup> beam;
+  int beam_index = -1;
+  bool beam_answered = false;
 
   // First token whose logits are needed (its row predicts the next token): nothing before it may come
   // from the prefix cache, which holds K/V and no logits.
@@ -142,16 +149,31 @@ struct Engine::Seq {
   // Something to compute in the next step: not finished, tokens not yet in the cache, and not
   // waiting only for a draw that ends it (max_new_tokens).
   bool Runnable() const {
-    return !done && num_computed < static_cast<int>(tokens.size()) &&
+    return !done && num_computed < static_cast<int>(tokens.size()) && !beam_answered &&
            (score_from >= 0 || drawn < req.stop.max_new_tokens);
   }
+  // A beam whose candidates are in, holding its blocks while its siblings compute.
+  bool Idle() const { return !done && beam_answered && in_flight == 0; }
+};
+
+struct Engine::BeamGroup {
+  explicit BeamGroup(const BeamConfig& c) : search(c) {}
+  BeamSearch search;
+  std::vector<std::shared_ptr<RequestHandle>> handles;  // one per returned sequence
+  std::vector<Seq*> members;  // the live beams, in the search's order
+  std::vector<std::vector<TokenLogprob>> candidates;  // per member, for the step under way
+  bool ended = false;
+  int prompt_tokens = 0;
+  bool skip_special_tokens = true;
+  absl::Time submitted;
+  absl::Time scheduled = absl::InfinitePast();  // its first admission
 };
 
 // One step, from the plan to what the backend answered.
 struct Engine::StepBatch {
   // Where an answer goes: a prompt token's log-probabilities, a continuation token's score, or
   // the sequence's next token.
-  enum class Use { kPromptLogprob, kScore, kDraw };
+  enum class Use { kPromptLogprob, kScore, kDraw, kBeam };
   Schedule plan;
   std::vector<Seq*> seqs;  // the plan's chunks, in order
   std::vector<SequenceStep> steps;
@@ -213,8 +235,8 @@ void Engine::Shutdown() {
 }
 
 absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
-  if (r.n != 1 || !r.continuations.empty()) {
-    return absl::InvalidArgumentError("Submit takes one sample and no continuations; use SubmitGroup");
+  if (r.n != 1 || !r.continuations.empty() || r.num_return_sequences != 1) {
+    return absl::InvalidArgumentError("Submit takes one sample or sequence and no continuations; use SubmitGroup");
   }
   auto group = SubmitGroup(std::move(r));
   if (!group.ok()) return group.status();
@@ -413,8 +435,46 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
     return absl::InvalidArgumentError("sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0)");
   }
   if (absl::Status st = CheckControls(&r, c.vocab_size, c.eos_token_id); !st.ok()) return st;
+  if (r.num_beams < 1 || r.num_beams > kMaxBeams) {
+    return absl::InvalidArgumentError(absl::StrCat("num_beams ", r.num_beams, "; allowed 1..", kMaxBeams));
+  }
+  if (r.num_return_sequences < 1 || r.num_return_sequences > r.num_beams) {
+    return absl::InvalidArgumentError(absl::StrCat("num_return_sequences ", r.num_return_sequences,
+                                                   "; allowed 1..num_beams (", r.num_beams, ")"));
+  }
+  if (r.num_beams > 1) {
+    if (scoring || r.n != 1 || r.prompt_logprobs >= 0 || p.logprobs >= 0) {
+      return absl::InvalidArgumentError(
+          "num_beams > 1 takes no continuations, n, logprobs or prompt_logprobs (num_return_sequences returns "
+          "several sequences)");
+    }
+    if (!r.stop.stop_strings.empty() || !r.stop.stop_token_ids.empty()) {
+      return absl::InvalidArgumentError(
+          "stop strings and stop token ids: not with num_beams > 1 (a beam ends at the end-of-sequence token or "
+          "max_new_tokens)");
+    }
+    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+      return absl::InvalidArgumentError(
+          "repetition_penalty, presence_penalty and frequency_penalty: not with num_beams > 1 (the controls that "
+          "ban or bias tokens apply: no_repeat_ngram_size, min_tokens, bad_words, allowed_token_ids, logit_bias)");
+    }
+    if (!std::isfinite(r.length_penalty) || std::fabs(r.length_penalty) > 100.0f) {
+      return absl::InvalidArgumentError(absl::StrCat("length_penalty ", r.length_penalty, "; allowed -100..100"));
+    }
+    // Every beam may hold its own copy of the prompt's last block and max_new_tokens of output.
+    const int k = r.num_beams, m = r.stop.max_new_tokens;
+    const int need = BlocksForTokens(n, bs) + k * (BlocksForTokens(m, bs) + 1);
+    if (need > allocator_.num_blocks()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "num_beams ", k, " with ", c.encoder_decoder ? "an input" : "a prompt", " of ", n, " tokens and max_new_tokens ",
+          m, " may need ", int64_t{need} * bs, " tokens of KV cache; the cache holds ",
+          int64_t{allocator_.num_blocks()} * bs, ": lower num_beams or max_new_tokens, or start the server with a larger "
+          "--kv_cache_tokens"));
+    }
+  }
 
-  // The group: one sequence per sample or continuation; the first leads, the rest follow it.
+  // The group: one sequence per sample or continuation; the first leads, the rest follow it. A beam
+  // search starts as one sequence (its prompt) and forks as it goes.
   const int members = scoring ? static_cast<int>(r.continuations.size()) : r.n;
   std::vector<std::vector<int32_t>> continuations = std::move(r.continuations);
   r.continuations.clear();
@@ -439,6 +499,29 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
     s->submitted = now;
     handles.push_back(s->handle);
     group.push_back(std::move(s));
+  }
+  if (r.num_beams > 1) {
+    BeamConfig bc;
+    bc.num_beams = r.num_beams;
+    bc.length_penalty = r.length_penalty;
+    bc.early_stopping = r.early_stopping;
+    bc.num_return = r.num_return_sequences;
+    bc.max_new_tokens = r.stop.max_new_tokens;
+    bc.end_token = r.stop.ignore_eos ? -1 : c.eos_token_id;
+    auto g = std::make_shared<BeamGroup>(bc);
+    g->handles.push_back(handles.front());
+    for (int i = 1; i < r.num_return_sequences; ++i) {
+      g->handles.push_back(std::make_shared<RequestHandle>());
+      g->handles.back()->id_ = r.id;
+      handles.push_back(g->handles.back());
+    }
+    g->members = {group.front().get()};
+    g->candidates.resize(1);
+    g->submitted = now;
+    g->prompt_tokens = n;
+    g->skip_special_tokens = r.skip_special_tokens;
+    group.front()->beam = g;
+    group.front()->beam_index = 0;
   }
   Seq& leader = *group.front();
   // Followers share the leader's blocks before the first token whose logits they need.
@@ -552,6 +635,10 @@ void Engine::FinishAll(FinishReason reason, const absl::Status& status) {
 
 void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   if (s.done) return;
+  if (s.beam != nullptr) {
+    EndBeams(*s.beam, reason, status);
+    return;
+  }
   s.done = true;
   allocator_.Free(&s.blocks);
   allocator_.Free(&s.cross_blocks);
@@ -596,6 +683,136 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
     config_.observer->OnFinished(sum);
   }
   s.handle->Deliver(std::move(o));
+}
+
+void Engine::DropBeam(Seq& s) {
+  s.done = true;
+  allocator_.Free(&s.blocks);
+  allocator_.Free(&s.cross_blocks);
+  s.chain.clear();
+}
+
+void Engine::AnswerBeam(Seq& s, const SampleResult& candidates) {
+  BeamGroup& g = *s.beam;
+  g.candidates[s.beam_index] = candidates.top;
+  s.beam_answered = true;
+  for (const Seq* m : g.members) {
+    if (!m->beam_answered) return;
+  }
+  SelectBeams(g);
+}
+
+void Engine::SelectBeams(BeamGroup& g) {
+  const std::vector<int> parents = g.search.Step(g.candidates);
+  if (g.search.finished()) {
+    EndBeams(g, FinishReason::kNone, absl::OkStatus());
+    return;
+  }
+  const int bs = config_.scheduler.block_size;
+  const int n = static_cast<int>(parents.size());
+  std::vector<Seq*> next(n, nullptr);
+  std::vector<bool> continued(g.members.size(), false);
+  // A parent's first child continues it in place; the others fork from it, sharing its full blocks
+  // (immutable) and recomputing the partial last one, which is never copied: a recompute is at most
+  // block_size - 1 tokens in a step's batch, where a copy would be a device copy per layer.
+  for (int j = 0; j < n; ++j) {
+    if (!continued[parents[j]]) {
+      continued[parents[j]] = true;
+      next[j] = g.members[parents[j]];
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    if (next[j] != nullptr) continue;
+    const Seq& par = *g.members[parents[j]];
+    auto f = std::make_unique<Seq>();
+    f->handle = par.handle;
+    f->req = par.req;
+    f->tokens = par.tokens;
+    f->submitted = par.submitted;
+    f->scheduled = par.scheduled;
+    f->beam = par.beam;
+    const int shared = std::min<int>(par.num_computed, static_cast<int>(par.tokens.size())) / bs;
+    allocator_.Share(absl::MakeConstSpan(par.blocks).first(shared), &f->blocks);
+    allocator_.Share(par.cross_blocks, &f->cross_blocks);
+    f->num_computed = shared * bs;
+    f->chain.assign(par.chain.begin(), par.chain.begin() + std::min<size_t>(shared, par.chain.size()));
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      f->id = next_seq_id_++;
+    }
+    next[j] = f.get();
+    forks_.push_back(std::move(f));
+  }
+  for (size_t p = 0; p < g.members.size(); ++p) {
+    if (!continued[p]) DropBeam(*g.members[p]);
+  }
+  for (int j = 0; j < n; ++j) {
+    next[j]->tokens.push_back(g.search.tokens(j).back());
+    next[j]->beam_index = j;
+    next[j]->beam_answered = false;
+  }
+  g.members = std::move(next);
+  g.candidates.assign(n, {});
+}
+
+void Engine::EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& status) {
+  if (g.ended) return;
+  g.ended = true;
+  std::vector<BeamHypothesis> results;
+  if (reason == FinishReason::kNone) results = g.search.Result();
+  const int prompt_tokens = g.prompt_tokens;
+  for (Seq* m : g.members) DropBeam(*m);
+  g.members.clear();
+  g.candidates.clear();
+  int generated = 0;
+  for (const BeamHypothesis& h : results) generated += static_cast<int>(h.tokens.size());
+  {
+    int running = 0, waiting = 0;
+    for (const auto& r : running_) running += r != nullptr && !r->done ? 1 : 0;
+    for (const auto& w : waiting_) waiting += w != nullptr && !w->done ? 1 : 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    ++stats_.finished;
+    stats_.generation_tokens += generated;
+    stats_.kv_blocks_used = allocator_.num_used();
+    stats_.kv_blocks_cached = allocator_.num_cached();
+    stats_.num_running = running;
+    stats_.num_waiting = waiting + static_cast<int>(inbox_.size());
+  }
+  const absl::Time now = absl::Now();
+  RequestTiming timing;
+  timing.queue = (g.scheduled == absl::InfinitePast() ? now : g.scheduled) - g.submitted;
+  timing.time_to_first_token = results.empty() ? absl::ZeroDuration() : now - g.submitted;
+  timing.total = now - g.submitted;
+  for (size_t j = 0; j < g.handles.size(); ++j) {
+    Output o;
+    o.finished = true;
+    o.finish_reason = reason;
+    o.status = status;
+    o.prompt_tokens = prompt_tokens;
+    o.timing = timing;
+    if (j < results.size()) {
+      const BeamHypothesis& h = results[j];
+      o.token_ids = h.tokens;
+      o.text = tokenizer_->Decode(h.tokens, g.skip_special_tokens);
+      o.finish_reason = h.ended ? FinishReason::kEos : FinishReason::kLength;
+      o.generated_tokens = static_cast<int>(h.tokens.size());
+      o.beam_score = h.score;
+    } else if (reason == FinishReason::kNone) {
+      o.finish_reason = FinishReason::kStop;  // fewer hypotheses than asked for (every token banned)
+    }
+    if (j == 0 && config_.observer) {
+      RequestSummary sum;
+      sum.reason = o.finish_reason;
+      sum.code = o.status.code();
+      sum.prompt_tokens = prompt_tokens;
+      sum.generated_tokens = generated;
+      sum.queue = timing.queue;
+      sum.time_to_first_token = timing.time_to_first_token;
+      sum.e2e = timing.total;
+      config_.observer->OnFinished(sum);
+    }
+    g.handles[j]->Deliver(std::move(o));
+  }
 }
 
 void Engine::EndBanned(Seq& s) {
@@ -721,10 +938,16 @@ void Engine::Reap(absl::Time now) {
   // A passed deadline wins over a cancel: the client's own deadline also cancels its call, and how
   // that cancel is told apart from the client's choice depends on timing (service.cc).
   auto reap = [&](Seq& s) {
+    const RequestHandle* cancelled = s.handle->cancel_requested() ? s.handle.get() : nullptr;
+    if (s.beam != nullptr && !s.done) {
+      for (const auto& h : s.beam->handles) {
+        if (cancelled == nullptr && h->cancel_requested()) cancelled = h.get();
+      }
+    }
     if (now >= s.req.deadline) {
       Finish(s, FinishReason::kDeadline, absl::DeadlineExceededError("deadline passed"));
-    } else if (s.handle->cancel_requested()) {
-      const FinishReason why = s.handle->cancel_reason();
+    } else if (cancelled != nullptr) {
+      const FinishReason why = cancelled->cancel_reason();
       Finish(s, why, why == FinishReason::kDeadline ? absl::DeadlineExceededError("deadline passed") : absl::OkStatus());
     }
     // A sequence of the step in flight stays until it lands (its row there is then ignored).
@@ -753,13 +976,14 @@ bool Engine::Plan(absl::Time now, StepBatch* b) {
   // With a step in flight, the sequences that end when it lands (finished, scored, at
   // max_new_tokens) have nothing to run; with none in flight, every running sequence is runnable.
   for (const auto& s : running_) {
-    if (s->Runnable()) run.push_back(sched(*s));
+    if (s->Runnable() || s->Idle()) run.push_back(sched(*s));
   }
   // Only the queue's head can be admitted this step (at most max_num_seqs - running of it): only
   // those look their prompt up in the prefix cache.
   const size_t window = std::max<int>(0, config_.scheduler.max_num_seqs - static_cast<int>(run.size()));
-  for (size_t i = 0; i < waiting_.size() && i < window; ++i) {
+  for (size_t i = 0; i < waiting_.size() && wait.size() < window; ++i) {
     Seq& s = *waiting_[i];
+    if (!s.Runnable()) continue;  // a beam waiting for its siblings (after a preemption)
     LookupPrefix(s);
     SchedSeq q = sched(s);
     if (s.blocks.empty()) {
@@ -773,14 +997,14 @@ bool Engine::Plan(absl::Time now, StepBatch* b) {
   const relgen::Schedule& plan = b->plan;
   // Preemption frees blocks and rewinds sequences: never under a step in flight.
   if (!plan.preempted.empty() && in_flight_ != nullptr) return false;
-  if (run.size() != running_.size() && !plan.preempted.empty()) std::abort();  // as said above
 
   // Preempted sequences (newest first) go back to the front of the queue, oldest first, and will
   // recompute their prompt and output so far (from the prefix cache where it still holds them).
   for (int64_t id : plan.preempted) {
-    std::unique_ptr<Seq> s = std::move(running_.back());
-    running_.pop_back();
-    if (s->id != id) std::abort();  // the scheduler preempts from the newest end
+    auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r->id == id; });
+    if (it == running_.end() || (*it)->in_flight > 0) std::abort();  // nothing is in flight (above)
+    std::unique_ptr<Seq> s = std::move(*it);
+    running_.erase(it);
     allocator_.Free(&s->blocks);
     allocator_.Free(&s->cross_blocks);  // the input is encoded again on readmission
     s->chain.clear();
@@ -791,10 +1015,13 @@ bool Engine::Plan(absl::Time now, StepBatch* b) {
   }
   for (const ScheduledChunk& c : plan.chunks) {
     if (c.admitted) {
-      std::unique_ptr<Seq> s = std::move(waiting_.front());
-      waiting_.pop_front();
-      if (s->id != c.id) std::abort();  // admission is first-come first-served
+      // First come, first served among the runnable (beams waiting for their siblings are passed over).
+      auto it = std::find_if(waiting_.begin(), waiting_.end(), [&](const auto& w) { return w->id == c.id; });
+      if (it == waiting_.end()) std::abort();
+      std::unique_ptr<Seq> s = std::move(*it);
+      waiting_.erase(it);
       if (s->scheduled == absl::InfinitePast()) s->scheduled = now;
+      if (s->beam != nullptr && s->beam->scheduled == absl::InfinitePast()) s->beam->scheduled = now;
       running_.push_back(std::move(s));
       b->seqs.push_back(running_.back().get());
     } else {
@@ -853,7 +1080,8 @@ void Engine::BuildInputs(StepBatch* b) {
     }
     b->steps.push_back(st);
     b->step_tokens += n;
-    if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || s.drawn == 0) b->prefill_tokens += n;
+    const int drawn = s.beam != nullptr ? s.beam->search.generated() : s.drawn;
+    if (s.num_computed + n < static_cast<int>(s.tokens.size()) || n > 1 || drawn == 0) b->prefill_tokens += n;
     b->lengths.push_back(static_cast<int>(s.tokens.size()));
     b->ends.push_back(s.num_computed + n);
 
@@ -891,8 +1119,12 @@ void Engine::BuildInputs(StepBatch* b) {
       q.history = s.tokens;
       q.index = s.drawn;
       if (s.pending_pos >= 0) q.fed_query = s.pending_query;
+      if (s.beam != nullptr) {
+        q.index = s.beam->search.generated();
+        q.beam = s.beam->search.candidates_per_beam();
+      }
       b->queries.push_back(q);
-      b->uses.push_back(StepBatch::Use::kDraw);
+      b->uses.push_back(s.beam != nullptr ? StepBatch::Use::kBeam : StepBatch::Use::kDraw);
     }
     rows += count;
   }
@@ -968,7 +1200,8 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
       switch (b.uses[q]) {
         case StepBatch::Use::kPromptLogprob: s.prompt_lps.push_back(std::move(b.answers[q])); break;
         case StepBatch::Use::kScore: s.scores.push_back(std::move(b.answers[q])); break;
-        case StepBatch::Use::kDraw: draw = &b.answers[q]; break;
+        case StepBatch::Use::kDraw:
+        case StepBatch::Use::kBeam: draw = &b.answers[q]; break;
       }
     }
     const int end = b.ends[i];
@@ -991,6 +1224,10 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
       continue;
     }
     if (draw == nullptr) std::abort();  // BuildInputs asks for a draw exactly here
+    if (s.beam != nullptr) {
+      AnswerBeam(s, *draw);
+      continue;
+    }
     if (draw->token < 0) {
       EndBanned(s);
       continue;
@@ -998,6 +1235,8 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
     EmitToken(s, *draw);
   }
   for (auto it = started.rbegin(); it != started.rend(); ++it) waiting_.push_front(std::move(*it));
+  for (auto it = forks_.rbegin(); it != forks_.rend(); ++it) waiting_.push_front(std::move(*it));
+  forks_.clear();
 }
 
 void Engine::Step(bool plan) {

@@ -22,6 +22,7 @@
 #include "engine/core/kv_cache.h"
 #include "engine/model/model.h"
 #include "engine/backends/sampler.h"
+#include "engine/core/beam_search.h"
 #include "engine/core/scheduler.h"
 #include "engine/tokenizers/tokenizer.h"
 
@@ -68,6 +69,18 @@ struct Request {
   int truncate_prompt_tokens = 0;
   // false: special tokens' text is part of the output text (transformers' skip_special_tokens).
   bool skip_special_tokens = true;
+  // Beam search (num_beams 2..kMaxBeams; engine/core/beam_search.h): one handle per returned
+  // sequence (num_return_sequences <= num_beams), the best first, each delivered whole when the
+  // search ends (nothing streams before) with Output.beam_score. The beams share the prompt's KV
+  // blocks; a beam that forks takes its parent's full blocks and recomputes the partial last one.
+  // The group is one request (max_waiting, metrics); cancelling any handle or the deadline ends
+  // it. Of the sampling parameters only the controls that ban or bias tokens apply
+  // (no_repeat_ngram_size, min_tokens, bad_words, allowed_token_ids, logit_bias); temperature,
+  // top_k, top_p, min_p and the seed are ignored, as transformers' beam search without sampling does.
+  int num_beams = 1;
+  float length_penalty = 1.0f;
+  EarlyStopping early_stopping = EarlyStopping::kFalse;
+  int num_return_sequences = 1;
 };
 
 struct RequestTiming {
@@ -89,6 +102,7 @@ struct Output {
   int prompt_tokens = 0;
   int generated_tokens = 0;
   RequestTiming timing;
+  double beam_score = 0;  // beam search: the sequence's score (its log-probability / length^length_penalty)
 };
 
 class RequestHandle {
@@ -228,6 +242,7 @@ class Engine {
 
  private:
   struct Seq;
+  struct BeamGroup;
   Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend,
          std::shared_ptr<const Tokenizer> tokenizer, EngineConfig config);
   void Loop();
@@ -239,6 +254,13 @@ class Engine {
   void EmitToken(Seq& s, const SampleResult& r);
   // The controls banned every token: the text held back is delivered and the sequence ends (stop).
   void EndBanned(Seq& s);
+  // Beam search: a beam's candidates for the group's step; once every live beam's are in, the
+  // search steps (forking, continuing and dropping beams) or ends. EndBeams ends the group:
+  // reason kNone delivers the search's result, any other ends every handle with it.
+  void AnswerBeam(Seq& s, const SampleResult& candidates);
+  void SelectBeams(BeamGroup& g);
+  void EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& status);
+  void DropBeam(Seq& s);  // a beam the search left: its blocks, silently
   // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
   // blocks a sequence has computed.
   void LookupPrefix(Seq& s);
@@ -287,6 +309,8 @@ class Engine {
   std::vector<std::unique_ptr<Seq>> running_;  // admission order
   // Followers whose leader finished before starting them; they join the queue's front next step.
   std::vector<std::unique_ptr<Seq>> orphans_;
+  // Beams forked by this step's selections; they join the queue's front when the step is committed.
+  std::vector<std::unique_ptr<Seq>> forks_;
   int64_t next_seq_id_ = 0;
   std::unique_ptr<StepBatch> in_flight_;  // launched, not yet landed (overlap_steps)
   std::thread thread_;

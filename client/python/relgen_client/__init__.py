@@ -41,6 +41,7 @@ class Sample:
     finish_reason: str
     generated_tokens: int
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    beam_score: float = 0.0  # beam search: the sequence's score
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Completion:
     samples: List[Sample] = field(default_factory=list)
     # With prompt_logprobs: one per prompt token from the second on (token_id is the prompt's).
     prompt_logprobs: List[TokenLogprob] = field(default_factory=list)
+    beam_score: float = 0.0  # beam search: sample 0's score
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Chunk:
     logprobs: List[TokenLogprob] = field(default_factory=list)
     sample_index: int = 0
     prompt_logprobs: List[TokenLogprob] = field(default_factory=list)
+    beam_score: float = 0.0  # beam search, on each sequence's final chunk
 
 
 @dataclass
@@ -129,7 +132,8 @@ class Client:
                  prompt_logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
                  allowed_token_ids: Sequence[int] = (), bad_words: Sequence[Sequence[int]] = (), min_tokens=None,
                  min_p=None, truncate_prompt_tokens=None, skip_special_tokens=None,
-                 no_repeat_ngram_size=None) -> pb.GenerateRequest:
+                 no_repeat_ngram_size=None, num_beams=None, length_penalty=None, early_stopping=None,
+                 num_return_sequences=None) -> pb.GenerateRequest:
         r = pb.GenerateRequest(request_id=request_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                ignore_eos=ignore_eos, allowed_token_ids=list(allowed_token_ids))
         for word in bad_words:
@@ -147,9 +151,13 @@ class Client:
                             ("min_tokens", min_tokens), ("min_p", min_p),
                             ("truncate_prompt_tokens", truncate_prompt_tokens),
                             ("skip_special_tokens", skip_special_tokens),
-                            ("no_repeat_ngram_size", no_repeat_ngram_size)):
+                            ("no_repeat_ngram_size", no_repeat_ngram_size), ("num_beams", num_beams),
+                            ("length_penalty", length_penalty), ("num_return_sequences", num_return_sequences)):
             if value is not None:
                 setattr(r, name, value)
+        if early_stopping is not None:  # transformers' values: True, False or "never"
+            r.early_stopping = {False: pb.EARLY_STOPPING_FALSE, True: pb.EARLY_STOPPING_TRUE,
+                                "never": pb.EARLY_STOPPING_NEVER}[early_stopping]
         return r
 
     def generate(self, prompt: Union[str, Sequence[int]], *, timeout: Optional[float] = None, **params) -> Completion:
@@ -162,14 +170,14 @@ class Client:
         finish = _FINISH.get(resp.finish_reason, "unspecified")
         if resp.samples:
             samples = [Sample(s.index, s.text, list(s.token_ids), _FINISH.get(s.finish_reason, "unspecified"),
-                              s.generated_tokens, _logprobs(s.logprobs)) for s in resp.samples]
+                              s.generated_tokens, _logprobs(s.logprobs), s.beam_score) for s in resp.samples]
         else:  # n = 1: the server sends the one sample in the top-level fields only
             samples = [Sample(0, resp.text, list(resp.token_ids), finish, resp.usage.generated_tokens,
-                              _logprobs(resp.logprobs))]
+                              _logprobs(resp.logprobs), resp.beam_score)]
         return Completion(resp.request_id, resp.text, list(resp.token_ids), finish, resp.usage.prompt_tokens,
                           resp.usage.generated_tokens, resp.timing.time_to_first_token_seconds,
                           resp.timing.total_seconds, _logprobs(resp.logprobs), samples,
-                          _logprobs(resp.prompt_logprobs))
+                          _logprobs(resp.prompt_logprobs), resp.beam_score)
 
     def score(self, context: Union[str, Sequence[int]], continuations: Sequence[Union[str, Sequence[int]]], *,
               top_logprobs: Optional[int] = None, request_id: str = "",
@@ -208,6 +216,7 @@ class Client:
                     c.finish_reason = _FINISH.get(m.finish_reason, "unspecified")
                     c.prompt_tokens, c.generated_tokens = m.usage.prompt_tokens, m.usage.generated_tokens
                     c.time_to_first_token_s, c.total_s = m.timing.time_to_first_token_seconds, m.timing.total_seconds
+                    c.beam_score = m.beam_score
                 yield c
         except grpc.RpcError as e:
             raise RelgenError(e.code().name, e.details()) from None
