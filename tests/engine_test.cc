@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -775,6 +776,214 @@ TEST(EngineStopTest, StopStringIsNotLeakedAndStopTokenEnds) {
   const size_t first = std::find(free_run.tokens.begin(), free_run.tokens.end(), free_run.tokens[7]) - free_run.tokens.begin();
   EXPECT_EQ(tok.reason, FinishReason::kStop);
   EXPECT_EQ(tok.tokens, std::vector<int32_t>(free_run.tokens.begin(), free_run.tokens.begin() + first + 1));
+}
+
+// ---- beam search ----------------------------------------------------------------------------
+
+struct Beams {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<double> scores;
+  std::vector<FinishReason> reasons;
+  bool operator==(const Beams& o) const { return tokens == o.tokens && scores == o.scores && reasons == o.reasons; }
+};
+
+Beams DrainBeams(const std::vector<std::shared_ptr<RequestHandle>>& handles) {
+  Beams b;
+  for (const auto& h : handles) {
+    Output o, all;
+    while (h->Next(&o)) {
+      all.token_ids.insert(all.token_ids.end(), o.token_ids.begin(), o.token_ids.end());
+      if (o.finished) all = Output{all.token_ids, "", {}, {}, true, o.finish_reason, o.status, 0, 0, {}, o.beam_score};
+    }
+    b.tokens.push_back(all.token_ids);
+    b.scores.push_back(all.beam_score);
+    b.reasons.push_back(all.finish_reason);
+  }
+  return b;
+}
+
+Request BeamRequest(int len, int max_new, int k, uint32_t seed) {
+  Request r;
+  std::mt19937 rng(seed);
+  for (int i = 0; i < len; ++i) r.prompt.push_back(static_cast<int32_t>(32 + rng() % 200));
+  r.stop.max_new_tokens = max_new;
+  r.num_beams = k;
+  r.num_return_sequences = k;
+  return r;
+}
+
+// Records the most distinct KV blocks one launch's sequences reference together.
+class TableBackend : public Backend {
+ public:
+  explicit TableBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  absl::string_view name() const override { return inner_->name(); }
+  std::string device() const override { return inner_->device(); }
+  BackendMemory memory() const override { return inner_->memory(); }
+  std::string weights_dtype() const override { return inner_->weights_dtype(); }
+  std::string kv_cache_dtype() const override { return inner_->kv_cache_dtype(); }
+  const KvCacheConfig& kv_cache() const override { return inner_->kv_cache(); }
+  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override {
+    return inner_->Forward(steps, logits);
+  }
+  absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
+    std::set<int32_t> blocks;
+    for (const SequenceStep& s : steps) blocks.insert(s.block_table.begin(), s.block_table.end());
+    most_ = std::max(most_, static_cast<int>(blocks.size()));
+    most_seqs_ = std::max(most_seqs_, static_cast<int>(steps.size()));
+    return inner_->Launch(steps, queries);
+  }
+  absl::Status Collect(std::vector<SampleResult>* results) override { return inner_->Collect(results); }
+  int most() const { return most_; }
+  int most_seqs() const { return most_seqs_; }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  int most_ = 0, most_seqs_ = 0;
+};
+
+std::unique_ptr<Engine> MakeBeamEngine(int num_blocks, bool share, int max_num_seqs = 16, int max_batch_tokens = 96,
+                                       bool background = false, TableBackend** tables = nullptr) {
+  auto model = Model::Load(testing::GoldenDir() + "/engine/skew");
+  EXPECT_TRUE(model.ok()) << model.status();
+  auto inner = NewCpuBackend(*model, KvCacheConfig{16, num_blocks}, 2, cpu::WeightType::kF32, cpu::KvType::kF32);
+  EXPECT_TRUE(inner.ok()) << inner.status();
+  auto backend = std::make_unique<TableBackend>(*std::move(inner));
+  if (tables != nullptr) *tables = backend.get();
+  EngineConfig config;
+  config.scheduler.max_batch_tokens = max_batch_tokens;
+  config.scheduler.max_num_seqs = max_num_seqs;
+  config.background_thread = background;
+  config.prefix_caching = false;
+  config.share_beam_blocks = share;
+  config.check_invariants = true;
+  auto engine = Engine::Create(*model, std::move(backend), NewByteTokenizer(), config);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return *std::move(engine);
+}
+
+// Beams alone on a large pool, one step at a time.
+Beams Alone(const Request& r) { return DrainBeams(*MakeBeamEngine(256, true, 16, 96, true)->SubmitGroup(r)); }
+
+// k beams of a 100-token prompt (6 full blocks of 16 and 4 tokens) and 8 new tokens, all k in
+// each step: with sharing, their block tables hold the prompt's full blocks once and one block
+// per beam (its copy of the partial block, recomputed, and its tokens); without, every beam holds
+// its own 7. The outputs are bitwise the same either way.
+TEST(BeamTest, BeamsHoldThePromptsFullBlocksOnce) {
+  for (int k : {2, 4, 8}) {
+    SCOPED_TRACE(::testing::Message() << "num_beams " << k);
+    Request r = BeamRequest(100, 8, k, 5);
+    r.stop.ignore_eos = true;  // every beam runs to the end
+    Beams out[2];
+    for (bool share : {true, false}) {
+      TableBackend* tables = nullptr;
+      auto engine = MakeBeamEngine(256, share, 16, 1024, false, &tables);
+      auto handles = engine->SubmitGroup(r);
+      ASSERT_TRUE(handles.ok()) << handles.status();
+      for (int step = 0; step < 200 && engine->Stats().finished == 0; ++step) engine->RunOnce();
+      ASSERT_EQ(engine->Stats().finished, 1);
+      EXPECT_EQ(tables->most_seqs(), k);
+      EXPECT_EQ(tables->most(), share ? 6 + k : 7 * k);
+      EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
+      out[share ? 0 : 1] = DrainBeams(*handles);
+    }
+    EXPECT_TRUE(out[0] == out[1]);
+    ASSERT_EQ(out[0].tokens.size(), static_cast<size_t>(k));
+    for (int i = 0; i < k; ++i) {
+      EXPECT_EQ(out[0].tokens[i].size(), 8u);
+      EXPECT_EQ(out[0].reasons[i], FinishReason::kLength);
+      if (i > 0) EXPECT_GE(out[0].scores[i - 1], out[0].scores[i]);
+    }
+  }
+}
+
+// Two beam groups and a sampled request on a pool too small for all of them and fewer running
+// places than beams: beams wait idle, are preempted and recomputed, forks wait for places; every
+// output is bitwise what it is alone on a large pool.
+TEST(BeamTest, TheSameBeamsUnderPressure) {
+  Request a = BeamRequest(40, 12, 4, 1);
+  Request b = BeamRequest(23, 10, 3, 2);
+  b.length_penalty = 0.5f;
+  b.early_stopping = EarlyStopping::kTrue;
+  Request c = Prompt(30, 20);
+  c.sampling.temperature = 0.8f;
+  c.sampling.seed = 9;
+  const Beams want_a = Alone(a), want_b = Alone(b), want_c = Alone(c);
+  for (bool share : {true, false}) {
+    SCOPED_TRACE(share ? "sharing" : "not sharing");
+    auto engine = MakeBeamEngine(24, share, /*max_num_seqs=*/3, /*max_batch_tokens=*/32);
+    auto ha = *engine->SubmitGroup(a);
+    auto hb = *engine->SubmitGroup(b);
+    auto hc = *engine->SubmitGroup(c);
+    for (int step = 0; step < 5000 && engine->Stats().finished < 3; ++step) engine->RunOnce();
+    ASSERT_EQ(engine->Stats().finished, 3);
+    EXPECT_GT(engine->Stats().preemptions, 0);
+    EXPECT_TRUE(DrainBeams(ha) == want_a);
+    EXPECT_TRUE(DrainBeams(hb) == want_b);
+    EXPECT_TRUE(DrainBeams(hc) == want_c);
+    EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
+  }
+}
+
+// With steps launched ahead (the engine thread over an asynchronous backend), beams step only when
+// every sibling's answer has landed: the outputs are those of one step at a time.
+TEST(BeamTest, LaunchingAheadLeavesBeamsAsTheyAre) {
+  Request a = BeamRequest(20, 9, 3, 4);
+  Request c = Prompt(12, 15);
+  c.sampling.temperature = 0.7f;
+  AheadBackend* backend = nullptr;
+  auto engine = MakeAheadEngine("skew", EngineSetup{}, &backend);
+  auto ha = *engine->SubmitGroup(a);
+  auto hc = *engine->SubmitGroup(c);
+  EXPECT_TRUE(DrainBeams(ha) == Alone(a));
+  EXPECT_TRUE(DrainBeams(hc) == Alone(c));
+  EXPECT_GT(backend->fed(), 0);
+}
+
+// Cancelling any returned sequence's handle ends the whole group, its blocks freed; so does the deadline.
+TEST(BeamTest, CancelAndDeadlineEndTheGroup) {
+  for (bool deadline : {false, true}) {
+    auto engine = MakeBeamEngine(256, true);
+    Request r = BeamRequest(30, 20, 4, 3);
+    r.num_return_sequences = 2;
+    if (deadline) r.deadline = absl::Now() - absl::Seconds(1);
+    auto h = *engine->SubmitGroup(r);
+    ASSERT_EQ(h.size(), 2u);
+    engine->RunOnce();
+    engine->RunOnce();
+    if (!deadline) h[1]->Cancel();
+    engine->RunOnce();
+    const Beams got = DrainBeams(h);
+    const FinishReason want = deadline ? FinishReason::kDeadline : FinishReason::kCancelled;
+    EXPECT_EQ(got.reasons, (std::vector<FinishReason>{want, want}));
+    EXPECT_EQ(engine->Stats().finished, 1);
+    EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
+    EXPECT_EQ(engine->Stats().num_running, 0);
+  }
+}
+
+TEST(BeamTest, RefusalsNameTheField) {
+  auto engine = MakeBeamEngine(64, true);
+  auto refused = [&](Request r, const std::string& field) {
+    auto h = engine->SubmitGroup(r);
+    ASSERT_FALSE(h.ok()) << field;
+    EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(h.status().message()), HasSubstr(field));
+  };
+  Request r = BeamRequest(10, 8, 4, 1);
+  r.num_beams = 17;
+  refused(r, "num_beams");
+  r = BeamRequest(10, 8, 4, 1);
+  r.num_return_sequences = 5;
+  refused(r, "num_return_sequences");
+  r = BeamRequest(10, 8, 4, 1);
+  r.sampling.repetition_penalty = 1.3f;
+  refused(r, "repetition_penalty");
+  r = BeamRequest(10, 8, 4, 1);
+  r.stop.stop_strings = {"x"};
+  refused(r, "stop strings");
+  r = BeamRequest(10, 8, 16, 1);
+  r.stop.max_new_tokens = 200;  // 16 beams of 13 blocks each do not fit 64
+  refused(r, "--kv_cache_tokens");
 }
 
 }  // namespace

@@ -731,9 +731,10 @@ void Engine::SelectBeams(BeamGroup& g) {
     f->submitted = par.submitted;
     f->scheduled = par.scheduled;
     f->beam = par.beam;
-    const int shared = std::min<int>(par.num_computed, static_cast<int>(par.tokens.size())) / bs;
+    const int shared =
+        config_.share_beam_blocks ? std::min<int>(par.num_computed, static_cast<int>(par.tokens.size())) / bs : 0;
     allocator_.Share(absl::MakeConstSpan(par.blocks).first(shared), &f->blocks);
-    allocator_.Share(par.cross_blocks, &f->cross_blocks);
+    if (config_.share_beam_blocks) allocator_.Share(par.cross_blocks, &f->cross_blocks);
     f->num_computed = shared * bs;
     f->chain.assign(par.chain.begin(), par.chain.begin() + std::min<size_t>(shared, par.chain.size()));
     {
@@ -980,7 +981,8 @@ bool Engine::Plan(absl::Time now, StepBatch* b) {
   }
   // Only the queue's head can be admitted this step (at most max_num_seqs - running of it): only
   // those look their prompt up in the prefix cache.
-  const size_t window = std::max<int>(0, config_.scheduler.max_num_seqs - static_cast<int>(run.size()));
+  // (At least the head: when idle beams fill every place, the scheduler may preempt them for it.)
+  const size_t window = std::max<int>(1, config_.scheduler.max_num_seqs - static_cast<int>(run.size()));
   for (size_t i = 0; i < waiting_.size() && wait.size() < window; ++i) {
     Seq& s = *waiting_[i];
     if (!s.Runnable()) continue;  // a beam waiting for its siblings (after a preemption)

@@ -170,6 +170,8 @@ struct EngineConfig {
   int max_waiting = 1024;  // Submit fails with RESOURCE_EXHAUSTED beyond this (samples count each)
   // Reuse the KV blocks of prompt prefixes computed before (bitwise the same outputs either way).
   bool prefix_caching = true;
+  // false (tests): a forked beam shares nothing with its parent and recomputes its whole sequence.
+  bool share_beam_blocks = true;
   // Tests: audit the KV block books after every step (aborts on a leak or a double reference).
   bool check_invariants = false;
   // false: no engine thread; the owner drives the loop with RunOnce() (deterministic tests, tools).
