@@ -189,8 +189,10 @@ int Main(int argc, char** argv) {
         std::printf("%s\n", resp.text().c_str());
       } else {
         for (const v1::Sample& sample : resp.samples()) {
-          std::printf("--- sample %d (%s, %d tokens)\n%s\n", sample.index(), FinishName(sample.finish_reason()),
-                      sample.generated_tokens(), sample.text().c_str());
+          std::printf("--- sample %d (%s, %d tokens%s)\n%s\n", sample.index(), FinishName(sample.finish_reason()),
+                      sample.generated_tokens(),
+                      o.request.num_beams() > 1 ? (", score " + std::to_string(sample.beam_score())).c_str() : "",
+                      sample.text().c_str());
         }
       }
     }

@@ -34,6 +34,10 @@ const std::vector<FieldFlag>& RequestFlags() {
       {"--truncate_prompt_tokens", "truncate_prompt_tokens", "keep only the prompt's last N tokens"},
       {"--skip_special_tokens", "skip_special_tokens", "true|false: false writes special tokens' text too"},
       {"--no_repeat_ngram_size", "no_repeat_ngram_size", "n: no n-gram occurs twice in the tokens so far"},
+      {"--num_beams", "num_beams", "k, 1..16: beam search (transformers' num_beams)"},
+      {"--length_penalty", "length_penalty", "beam score = log-probability / length^length_penalty"},
+      {"--early_stopping", "early_stopping", "true|false|never: when beam search ends (transformers')"},
+      {"--num_return_sequences", "num_return_sequences", "best beam sequences returned, 1..num_beams"},
   };
   return flags;
 }
@@ -218,6 +222,25 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
     } else if (flag == "--no_repeat_ngram_size") {
       if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
       r.set_no_repeat_ngram_size(iv);
+    } else if (flag == "--num_beams") {
+      if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
+      r.set_num_beams(iv);
+    } else if (flag == "--num_return_sequences") {
+      if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
+      r.set_num_return_sequences(iv);
+    } else if (flag == "--length_penalty") {
+      if (!absl::SimpleAtof(value, &fv)) return bad("expected a number");
+      r.set_length_penalty(fv);
+    } else if (flag == "--early_stopping") {
+      if (value == "true") {
+        r.set_early_stopping(v1::EARLY_STOPPING_TRUE);
+      } else if (value == "false") {
+        r.set_early_stopping(v1::EARLY_STOPPING_FALSE);
+      } else if (value == "never") {
+        r.set_early_stopping(v1::EARLY_STOPPING_NEVER);
+      } else {
+        return bad("expected true, false or never");
+      }
     } else if (flag == "--skip_special_tokens") {
       bool b = true;
       if (!absl::SimpleAtob(value, &b)) return bad("expected true or false");

@@ -312,6 +312,18 @@ std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
       if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_min_tokens(static_cast<int32_t>(i));
     } else if (key == "no_repeat_ngram_size") {  // transformers' (relgen's extra)
       if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_no_repeat_ngram_size(static_cast<int32_t>(i));
+    } else if (key == "num_beams") {  // transformers' beam search (relgen's extra); n: the sequences returned
+      if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_num_beams(static_cast<int32_t>(i));
+    } else if (key == "length_penalty") {
+      if (!(e = GetNumber(v, key, &d))) r.set_length_penalty(static_cast<float>(d));
+    } else if (key == "early_stopping") {  // true, false or "never", as transformers'
+      if (v.is_boolean()) {
+        r.set_early_stopping(v.get<bool>() ? v1::EARLY_STOPPING_TRUE : v1::EARLY_STOPPING_FALSE);
+      } else if (v.is_string() && v.get<std::string>() == "never") {
+        r.set_early_stopping(v1::EARLY_STOPPING_NEVER);
+      } else {
+        return Invalid(key, "expected true, false or \"never\"");
+      }
     } else if (key == "skip_special_tokens") {
       bool b = true;
       if (!(e = GetBool(v, key, &b))) r.set_skip_special_tokens(b);
@@ -328,6 +340,11 @@ std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
   if (c->model.empty()) return Invalid("model", "missing; give the served model's name (GET /v1/models)");
   if (!has_prompt) return Invalid("prompt", "missing");
   if (best_of && *best_of != (r.has_n() ? r.n() : 1)) return Invalid("best_of", "not supported; allowed equal to n only");
+  if (r.has_num_beams() && r.num_beams() > 1 && r.has_n()) {
+    // With beams, the choices are the best sequences of one search.
+    r.set_num_return_sequences(r.n());
+    r.clear_n();
+  }
   if (has_stream_options && !c->stream) return Invalid("stream_options", "only with stream: true");
   if (c->echo && c->logprobs >= 0) r.set_prompt_logprobs(c->logprobs);
   return std::nullopt;

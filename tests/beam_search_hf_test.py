@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import unittest
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from openai_api_test import Server, relgen_client  # noqa: E402  (stubs and the client from the source tree)
@@ -132,6 +133,27 @@ class BeamTestBase:
         for i in range(ret):
             self.assertIsNotNone(by_index[i].finish_reason)
             self.assertAlmostEqual(by_index[i].beam_score, want_scores[i], delta=1e-4)
+
+    def test_openai_api_choices_are_the_sequences(self):
+        # /v1/completions with num_beams: n is the number of sequences, the choices best first.
+        setting = SETTINGS[9]
+        k, ret, lp, early, ngram, min_tokens, max_new, which, eos_bias = setting
+        want, _ = self.reference(self.prompts[which], *setting[:7], eos_bias)
+        with urllib.request.urlopen(f"http://{self.server.http}/v1/models", timeout=60) as r:
+            model = json.load(r)["data"][0]["id"]
+        body = {"model": model, "prompt": self.prompts[which], "max_tokens": max_new, "n": ret, "num_beams": k,
+                "length_penalty": lp, "early_stopping": early, "logit_bias": {str(self.eos): eos_bias}}
+        req = urllib.request.Request(f"http://{self.server.http}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            choices = json.load(r)["choices"]
+        grpc_texts = [s.text for s in self.grpc.generate(
+            self.prompts[which], num_beams=k, num_return_sequences=ret, length_penalty=lp, early_stopping=early,
+            max_new_tokens=max_new, logit_bias={self.eos: eos_bias}).samples]
+        self.assertEqual(len(choices), len(want))
+        self.assertEqual([c["text"] for c in sorted(choices, key=lambda c: c["index"])], grpc_texts)
+        self.assertEqual([c["finish_reason"] for c in sorted(choices, key=lambda c: c["index"])],
+                         ["stop" if w[-1] == self.eos else "length" for w in want])
 
     def test_refusals_name_the_field(self):
         for params, field in ((dict(num_beams=17), "num_beams"), (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"),

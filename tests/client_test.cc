@@ -38,7 +38,8 @@ TEST(ClientFlagsTest, OneFlagPerRequestField) {
       {"--n", "3"}, {"--prompt_logprobs", "2"}, {"--presence_penalty", "0.5"}, {"--frequency_penalty", "-0.5"},
       {"--logit_bias", "7:-2.5"}, {"--allowed_token_ids", "1,2"}, {"--bad_words", "3,4"}, {"--min_tokens", "2"},
       {"--min_p", "0.1"}, {"--truncate_prompt_tokens", "5"},
-      {"--skip_special_tokens", "false"}, {"--no_repeat_ngram_size", "3"}};
+      {"--skip_special_tokens", "false"}, {"--no_repeat_ngram_size", "3"}, {"--num_beams", "4"},
+      {"--length_penalty", "0.5"}, {"--early_stopping", "never"}, {"--num_return_sequences", "2"}};
   for (const auto& f : client::RequestFlags()) {
     client::ClientOptions o;
     std::vector<std::string> args = {"generate", f.flag};

@@ -108,5 +108,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   FUZZ_CHECK(p.bad_words.size() <= static_cast<size_t>(relgen::kMaxBadWords) &&
              words <= static_cast<size_t>(relgen::kMaxBadWordTokens));
+  FUZZ_CHECK(out.num_beams >= 1 && out.num_beams <= relgen::kMaxBeams);
+  FUZZ_CHECK(out.num_return_sequences >= 1 && out.num_return_sequences <= out.num_beams);
+  FUZZ_CHECK(out.length_penalty >= -100 && out.length_penalty <= 100);
+  if (out.num_beams > 1) {
+    FUZZ_CHECK(out.n == 1 && p.logprobs < 0 && out.prompt_logprobs < 0 && out.stop.stop_strings.empty() &&
+               out.stop.stop_token_ids.empty() && p.repetition_penalty == 1 && p.presence_penalty == 0 &&
+               p.frequency_penalty == 0);
+  }
   return 0;
 }

@@ -10,7 +10,7 @@
 namespace relgen::bench {
 namespace {
 
-std::vector<Request> Work(int sequences, int prompt_len, int new_tokens) {
+std::vector<Request> Work(int sequences, int prompt_len, int new_tokens, int beams = 1) {
   std::vector<Request> out;
   for (int s = 0; s < sequences; ++s) {
     Request r;
@@ -18,6 +18,7 @@ std::vector<Request> Work(int sequences, int prompt_len, int new_tokens) {
     r.stop.max_new_tokens = new_tokens;
     r.stop.ignore_eos = true;
     r.sampling.temperature = 0.0f;
+    r.num_beams = beams;
     out.push_back(r);
   }
   return out;
@@ -51,27 +52,28 @@ double Run(Engine& engine, const std::vector<Request>& work, bool together, int6
 }  // namespace
 
 int RunBatchingBench(const std::string& model_dir, int sequences, int prompt_len, int new_tokens, int threads,
-                     bool sequential) {
+                     bool sequential, int beams) {
   auto model = Model::Load(model_dir);
   if (!model.ok()) {
     std::fprintf(stderr, "%s\n", std::string(model.status().message()).c_str());
     return 1;
   }
   const ModelConfig& c = (*model)->config();
-  const int blocks = sequences * BlocksForTokens(prompt_len + new_tokens, 16);
+  const int blocks = beams > 1 ? sequences * (BlocksForTokens(prompt_len, 16) + beams * (BlocksForTokens(new_tokens, 16) + 1))
+                               : sequences * BlocksForTokens(prompt_len + new_tokens, 16);
   auto backend = NewCpuBackend(*model, KvCacheConfig{16, blocks}, threads);
   EngineConfig config;
-  config.scheduler.max_num_seqs = sequences;
-  config.scheduler.max_batch_tokens = std::max(512, sequences);
+  config.scheduler.max_num_seqs = sequences * beams;
+  config.scheduler.max_batch_tokens = std::max(512, sequences * beams);
   auto engine = Engine::Create(*model, *std::move(backend), NewByteTokenizer(), config);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", std::string(engine.status().message()).c_str());
     return 1;
   }
-  std::printf("model %s: d_model %d, %d layers, %d heads, ffn %d, %s; %d sequences x (%d prompt + %d new tokens), %d threads\n",
+  std::printf("model %s: d_model %d, %d layers, %d heads, ffn %d, %s; %d sequences x (%d prompt + %d new tokens), %d threads, %d beams\n",
               c.name.c_str(), c.d_model, c.n_layers, c.n_heads, c.ffn_dim,
-              std::string(SchemeName(c.rel.scheme)).c_str(), sequences, prompt_len, new_tokens, threads);
-  const std::vector<Request> work = Work(sequences, prompt_len, new_tokens);
+              std::string(SchemeName(c.rel.scheme)).c_str(), sequences, prompt_len, new_tokens, threads, beams);
+  const std::vector<Request> work = Work(sequences, prompt_len, new_tokens, beams);
   int64_t tokens_seq = 0, tokens_batch = 0;
   Run(**engine, Work(1, prompt_len, 8), false, &tokens_seq);  // warm up
   const double seq = sequential ? Run(**engine, work, false, &tokens_seq) : 0.0;

@@ -1,6 +1,6 @@
 // relgen-bench: engine micro-benchmarks (and, later, the serving load generator).
 //   relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]
-//   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0] [--sequential 1]
+//   relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0] [--sequential 1] [--beams 1]
 //   relgen-bench engine --model DIR ...   (relgen vs CTranslate2 or the PyTorch reference, with rooflines;
 //                                          --device cuda: the CUDA backend vs PyTorch on the same GPU)
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
@@ -91,18 +91,18 @@ int main(int argc, char** argv) {
   }
   if (cmd == "batching") {
     std::string model;
-    int sequences = 16, prompt = 16, fresh = 128, threads = 0, sequential = 1;
+    int sequences = 16, prompt = 16, fresh = 128, threads = 0, sequential = 1, beams = 1;
     for (auto& [f, v] : flags) {
       int* target = f == "--sequences" ? &sequences : f == "--prompt" ? &prompt : f == "--new" ? &fresh
-                  : f == "--threads" ? &threads : f == "--sequential" ? &sequential : nullptr;
+                  : f == "--threads" ? &threads : f == "--sequential" ? &sequential : f == "--beams" ? &beams : nullptr;
       if (f == "--model") {
         model = v;
       } else if (target == nullptr || !absl::SimpleAtoi(v, target) || *target < 0) {
         return Usage();
       }
     }
-    if (model.empty() || sequences < 1 || prompt < 1 || fresh < 1) return Usage();
-    return relgen::bench::RunBatchingBench(model, sequences, prompt, fresh, threads, sequential != 0);
+    if (model.empty() || sequences < 1 || prompt < 1 || fresh < 1 || beams < 1) return Usage();
+    return relgen::bench::RunBatchingBench(model, sequences, prompt, fresh, threads, sequential != 0, beams);
   }
   if (cmd == "engine") {
     relgen::bench::EngineBenchOptions o;

@@ -2,7 +2,7 @@
 """T5 encoder-decoder throughput: relgen vs transformers vs CTranslate2, side by side in one run.
 
   build-hf-venv/bin/python tools/bench/t5_bench.py --work /tmp/t5-bench [--small] [--input_len 128]
-      [--new 64] [--batch 16] [--threads 2] [--reps 3] [--skip_relgen]
+      [--new 64] [--batch 16] [--threads 2] [--reps 3] [--beams 1] [--skip_relgen]
       [--relgen_bench build/tools/relgen-bench] [--json FILE]
 
 Needs the venv of tools/bootstrap.sh (Debian's torch 1.13, transformers 4.46) plus
@@ -13,7 +13,8 @@ spiece.model with T5's special ids, which relgen's T5 loader requires) and conve
 CTranslate2 float32 with the same id <-> token mapping.
 
 Workload: --batch requests, each encoder input --input_len random ids in 3..31999 (seeded, different
-per request), greedy, exactly --new tokens each (eos never ends a sequence). transformers and
+per request), greedy (or beam search with --beams k, returning the best sequence), exactly --new
+tokens each (eos never ends a sequence or, with beams, a beam). transformers and
 CTranslate2 get the same ids. relgen-bench's `batching` command makes its own prompts,
 (s*31 + i*7) % 256, so relgen sees other ids (including 0 and 1) of the same shape: equal work for
 throughput, but its tokens cannot be compared with the peers'.
@@ -136,10 +137,11 @@ def workload(batch, input_len, seed):
 class HF:
     name = "transformers"
 
-    def __init__(self, hf_dir, inputs, new, mode):
+    def __init__(self, hf_dir, inputs, new, mode, beams=1):
         self.model = T5ForConditionalGeneration.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
         self.ids = torch.tensor(inputs, dtype=torch.long)
         self.new = new
+        self.beams = beams
         self.tried = False
         self.mode = mode  # "generate" falls back to "loop" if the warm-up's generate() fails
 
@@ -148,7 +150,7 @@ class HF:
         # synced_gpus=False: left as None, generate() asks whether the model is FSDP-sharded, and
         # importing torch.distributed.fsdp fails on torch 1.13 under Python 3.11.
         out = self.model.generate(self.ids, attention_mask=torch.ones_like(self.ids), do_sample=False,
-                                  num_beams=1, max_new_tokens=self.new, min_new_tokens=self.new,
+                                  num_beams=self.beams, max_new_tokens=self.new, min_new_tokens=self.new,
                                   synced_gpus=False)
         return out[:, 1:]  # drop decoder_start
 
@@ -193,8 +195,9 @@ class HF:
 class CT2:
     name = "CTranslate2"
 
-    def __init__(self, ct2_dir, inputs, new, threads):
+    def __init__(self, ct2_dir, inputs, new, threads, beams=1):
         import ctranslate2
+        self.beams = beams
         self.tr = ctranslate2.Translator(ct2_dir, device="cpu", compute_type="float32", intra_threads=threads,
                                          inter_threads=1)
         vocab = id_tokens()
@@ -204,7 +207,7 @@ class CT2:
 
     def __call__(self):
         t0 = time.perf_counter()
-        res = self.tr.translate_batch(self.src, beam_size=1, min_decoding_length=self.new,
+        res = self.tr.translate_batch(self.src, beam_size=self.beams, min_decoding_length=self.new,
                                       max_decoding_length=self.new, return_scores=False)
         dt = time.perf_counter() - t0
         return dt, [[self.index[t] for t in r.hypotheses[0]] for r in res]
@@ -217,9 +220,10 @@ class RelgenError(RuntimeError):
 class Relgen:
     name = "relgen"
 
-    def __init__(self, binary, model_dir, batch, input_len, new, threads):
+    def __init__(self, binary, model_dir, batch, input_len, new, threads, beams=1):
         self.cmd = [binary, "batching", "--model", model_dir, "--sequences", str(batch), "--prompt",
-                    str(input_len), "--new", str(new), "--threads", str(threads), "--sequential", "0"]
+                    str(input_len), "--new", str(new), "--threads", str(threads), "--sequential", "0",
+                    "--beams", str(beams)]
         self.line = re.compile(r"^\s*%d concurrent:\s+(\d+) tokens in\s+([\d.]+) s" % batch, re.M)
         self.expect = batch * new
 
@@ -287,6 +291,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--beams", type=int, default=1, help="beam search with this many beams (1: greedy)")
     ap.add_argument("--relgen_bench", default=os.path.join(REPO, "build/tools/relgen-bench"))
     ap.add_argument("--skip_relgen", action="store_true")
     ap.add_argument("--hf_mode", choices=["generate", "loop"], default="generate",
@@ -304,9 +309,13 @@ def main():
     print("checkpoints ready in %.1f s: %s, %s" % (time.perf_counter() - t0, hf_dir, ct2_dir), flush=True)
 
     inputs = workload(args.batch, args.input_len, args.seed)
-    systems = [HF(hf_dir, inputs, args.new, args.hf_mode), CT2(ct2_dir, inputs, args.new, args.threads)]
+    if args.beams > 1 and args.hf_mode == "loop":
+        ap.error("--hf_mode loop is greedy only")
+    systems = [HF(hf_dir, inputs, args.new, args.hf_mode, args.beams),
+               CT2(ct2_dir, inputs, args.new, args.threads, args.beams)]
     if not args.skip_relgen:
-        systems.append(Relgen(args.relgen_bench, hf_dir, args.batch, args.input_len, args.new, args.threads))
+        systems.append(Relgen(args.relgen_bench, hf_dir, args.batch, args.input_len, args.new, args.threads,
+                              args.beams))
 
     tokens = {}
     for s in systems[:2]:  # relgen-bench warms up inside each run
@@ -315,7 +324,7 @@ def main():
         assert len(out) == args.batch and all(len(r) == args.new for r in out), "%s: wrong output shape" % name
     hf_tok, ct2_tok = tokens["transformers"], tokens["CTranslate2"]
     agree = [common_prefix(a, b) for a, b in zip(hf_tok, ct2_tok)]
-    print("greedy agreement transformers vs CTranslate2: request 0 first %d of %d tokens; all requests: "
+    print(("greedy" if args.beams == 1 else "best-beam") + " agreement transformers vs CTranslate2: request 0 first %d of %d tokens; all requests: "
           "median %d, min %d, %d of %d identical" % (agree[0], args.new, statistics.median(agree), min(agree),
                                                      sum(a == args.new for a in agree), args.batch))
     print("  transformers[0][:10] %s\n  CTranslate2[0][:10]  %s" % (hf_tok[0][:10], ct2_tok[0][:10]), flush=True)
@@ -359,9 +368,10 @@ def main():
           % (m["cpu"], m["cpus"], args.threads, ", ".join("%s %s" % kv for kv in versions.items()),
              "generate()" if systems[0].mode == "generate" else "this script's greedy loop (generate() failed)"))
     print("Model: T5 d_model %d, %d+%d layers, %d heads, d_ff %d, gated-gelu, vocab %d, float32, random weights; "
-          "%d requests x (%d input + %d new tokens), greedy, eos ignored; repetitions: %d.\n"
+          "%d requests x (%d input + %d new tokens), %s, eos ignored; repetitions: %d.\n"
           % (cfg.d_model, cfg.num_layers, cfg.num_decoder_layers, cfg.num_heads, cfg.d_ff, cfg.vocab_size,
-             args.batch, args.input_len, args.new, args.reps))
+             args.batch, args.input_len, args.new, "greedy" if args.beams == 1 else "beam search, %d beams" % args.beams,
+             args.reps))
     print("| system | tokens/s (median) | min - max | relgen / system (median, min - max) |")
     print("| --- | ---: | ---: | ---: |")
     for name in per_rep:
