@@ -16,6 +16,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from openai_api_test import Server, relgen_client  # noqa: E402  (stubs and the client from the source tree)
+from sampling_controls_test import _case  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -45,15 +46,6 @@ SETTINGS = [
     (4, 4, 2.0, False, 0, 0, 14, 1, 3.0),
     (4, 4, 1.0, True, 0, 0, 14, 2, 5.0),
 ]
-
-
-def _case(manifest_dir, name):
-    with open(os.path.join(manifest_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    for case in manifest["cases"]:
-        if case["name"] == name:
-            return case
-    raise RuntimeError(f"no case {name} in {manifest_dir}/manifest.json")
 
 
 class BeamTestBase:

@@ -326,9 +326,10 @@ TEST(EngineCancelTest, RandomMomentsWhileRunning) {
 // The CPU backend presented as asynchronous, so the engine launches each step before landing the
 // one before it (the backend's default Launch takes the fed tokens from the draws it holds). The
 // test can hold a Collect until it lets it go.
-class AheadBackend : public Backend {
+// A backend that hands everything to another; tests override what they watch.
+class WrappedBackend : public Backend {
  public:
-  explicit AheadBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  explicit WrappedBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
   absl::string_view name() const override { return inner_->name(); }
   std::string device() const override { return inner_->device(); }
   BackendMemory memory() const override { return inner_->memory(); }
@@ -338,6 +339,18 @@ class AheadBackend : public Backend {
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override {
     return inner_->Forward(steps, logits);
   }
+  absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
+    return inner_->Launch(steps, queries);
+  }
+  absl::Status Collect(std::vector<SampleResult>* results) override { return inner_->Collect(results); }
+
+ protected:
+  std::unique_ptr<Backend> inner_;
+};
+
+class AheadBackend : public WrappedBackend {
+ public:
+  using WrappedBackend::WrappedBackend;
   bool asynchronous() const override { return true; }
   absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
     int fed = 0;
@@ -398,7 +411,6 @@ class AheadBackend : public Backend {
   }
 
  private:
-  std::unique_ptr<Backend> inner_;
   std::mutex mu_;
   std::condition_variable cv_;
   int launches_ = 0, collects_ = 0, ahead_ = 0, fed_ = 0, hold_ = 0;
@@ -813,18 +825,9 @@ Request BeamRequest(int len, int max_new, int k, uint32_t seed) {
 }
 
 // Records the most distinct KV blocks one launch's sequences reference together.
-class TableBackend : public Backend {
+class TableBackend : public WrappedBackend {
  public:
-  explicit TableBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
-  absl::string_view name() const override { return inner_->name(); }
-  std::string device() const override { return inner_->device(); }
-  BackendMemory memory() const override { return inner_->memory(); }
-  std::string weights_dtype() const override { return inner_->weights_dtype(); }
-  std::string kv_cache_dtype() const override { return inner_->kv_cache_dtype(); }
-  const KvCacheConfig& kv_cache() const override { return inner_->kv_cache(); }
-  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override {
-    return inner_->Forward(steps, logits);
-  }
+  using WrappedBackend::WrappedBackend;
   absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
     std::set<int32_t> blocks;
     for (const SequenceStep& s : steps) blocks.insert(s.block_table.begin(), s.block_table.end());
@@ -832,12 +835,10 @@ class TableBackend : public Backend {
     most_seqs_ = std::max(most_seqs_, static_cast<int>(steps.size()));
     return inner_->Launch(steps, queries);
   }
-  absl::Status Collect(std::vector<SampleResult>* results) override { return inner_->Collect(results); }
   int most() const { return most_; }
   int most_seqs() const { return most_seqs_; }
 
  private:
-  std::unique_ptr<Backend> inner_;
   int most_ = 0, most_seqs_ = 0;
 };
 
