@@ -353,7 +353,7 @@ double LogNormaliser(absl::Span<const float> logits) {
   return mx + std::log(z);
 }
 
-// The n largest of x that are above -inf, best first (ties: lower id first), as x_i - log_z.
+// The n largest of x, best first (ties: lower id first), as x_i - log_z.
 void TopOf(absl::Span<const float> x, int n, double log_z, std::vector<TokenLogprob>* top) {
   const int v = static_cast<int>(x.size());
   n = std::min(n, v);
