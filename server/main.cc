@@ -33,6 +33,7 @@
 #include "absl/time/clock.h"
 #include "engine/backends/cpu_backend.h"
 #include "engine/backends/device.h"
+#include "kernels/cpu/gemm.h"
 #include "engine/core/engine.h"
 #include "server/http_listener.h"
 #include "server/metrics.h"
@@ -380,6 +381,8 @@ int Main(int argc, char** argv) {
   const std::string kv_dtype = (*backend)->kv_cache_dtype();
   if (auto chosen = ResolveDeviceOptions(**model, dev); chosen.ok() && chosen->device == "cuda") {
     weights_dtype += " (" + chosen->cuda_gemm + " projections)";
+  } else if (cpu::WeightType wt; cpu::ParseWeightType(weights_dtype, &wt)) {
+    weights_dtype += " (" + cpu::GemmPathName(wt) + ")";  // the kernel this CPU's features picked
   }
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;

@@ -677,10 +677,11 @@ TEST(DeviceWeightsTest, CpuStoresTheAskedType) {
     ASSERT_TRUE(backend.ok()) << t << ": " << backend.status();
     weights[t] = (*backend)->memory().weights;
   }
-  // The packed copies shrink by 2x and 4x (the small tensors and the stored embedding, counted in each, stay).
+  // The packed copies shrink by 2x and 4x (the small tensors and the stored embedding, counted in
+  // each, stay); int8 adds 8 bytes per output (scale and offset), 3% of this model's 64-wide rows.
   const int64_t original = model->small_bytes() + model->embed().bytes();
   EXPECT_NEAR(double(weights["bf16"] - original) / (weights["f32"] - original), 0.5, 0.01);
-  EXPECT_NEAR(double(weights["int8"] - original) / (weights["f32"] - original), 0.25, 0.02);
+  EXPECT_NEAR(double(weights["int8"] - original) / (weights["f32"] - original), 0.28, 0.02);
 }
 
 // auto: a bf16 checkpoint computes from bf16 weights with bf16 K/V; a float32 one in float32; an

@@ -60,11 +60,19 @@ TEST(LinearTest, LowPrecisionErrorIsBoundedByTheStep) {
     for (int o = 0; o < out; ++o) {
       // |error| <= sum |x_i| * (half a step of w_i): bf16 steps are 2^-7 of |w_i| at most, int8's
       // are max |w| / 127.
-      double bound = 0, amax = 0;
+      // int8 also rounds the input to steps of max |x| / 127: each product errs by at most
+      // |w| dx + |x| dw + dx dw.
+      double bound = 0, amax = 0, xmax = 0;
       for (int i = 0; i < in; ++i) amax = std::max(amax, std::fabs(double(w[size_t(o) * in + i])));
+      for (int i = 0; i < in; ++i) xmax = std::max(xmax, std::fabs(double(x[i])));
       for (int i = 0; i < in; ++i) {
         const double wi = std::fabs(double(w[size_t(o) * in + i]));
-        bound += std::fabs(double(x[i])) * 0.5 * (t == cpu::WeightType::kBf16 ? wi * 2 * rel : amax * rel);
+        if (t == cpu::WeightType::kBf16) {
+          bound += std::fabs(double(x[i])) * 0.5 * wi * 2 * rel;
+        } else {
+          const double dw = 0.5 * amax * rel, dx = 0.5 * xmax * rel;
+          bound += std::fabs(double(x[i])) * dw + wi * dx + dx * dw;
+        }
       }
       EXPECT_LE(std::fabs(double(lo[o]) - f32[o]), bound + 1e-4) << cpu::WeightTypeName(t) << " " << o;
       worst = std::max(worst, std::fabs(double(lo[o]) - f32[o]));
@@ -83,12 +91,12 @@ TEST(LinearTest, WeightTypeNames) {
   EXPECT_FALSE(cpu::ParseWeightType("fp16", &unused));
 }
 
-// Every kernel this CPU runs (the best is what the engine uses) and every weight storage: a row's
-// bits do not depend on how many rows share the call or where it sits, and each row matches a
-// float64 product with the weights as stored (the sum of x * q, times the scale, plus the bias).
+// Every float kernel this CPU runs (the best is what the engine uses) and f32 / bf16 storage: a
+// row's bits do not depend on how many rows share the call or where it sits, and each row matches
+// a float64 product with the weights as stored (plus the bias).
 TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
   cpu::ThreadPool pool(2);
-  for (cpu::WeightType t : {cpu::WeightType::kF32, cpu::WeightType::kBf16, cpu::WeightType::kInt8}) {
+  for (cpu::WeightType t : {cpu::WeightType::kF32, cpu::WeightType::kBf16}) {
     for (cpu::GemmIsa isa : cpu::SupportedGemmIsas()) {
       SCOPED_TRACE(std::string(cpu::WeightTypeName(t)) + " " + cpu::GemmIsaName(isa));
       for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{512, 1536}}) {
@@ -96,8 +104,7 @@ TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
         std::vector<double> scale;
         const std::vector<double> dq = Dequantized(w, out, in, t, &scale);
         const cpu::PackedMatrix packed(w.data(), out, in, t);
-        EXPECT_EQ(packed.bytes(), int64_t((out + 15) / 16) * 16 * in * cpu::WeightTypeBytes(t) +
-                                      (t == cpu::WeightType::kInt8 ? (out + 15) / 16 * 16 * 4 : 0));
+        EXPECT_EQ(packed.bytes(), int64_t((out + 15) / 16) * 16 * in * cpu::WeightTypeBytes(t));
         for (int rows : {1, 2, 3, 7, 9, 13, 16, 33, 130, 300}) {
           const std::vector<float> x = Random(size_t(rows) * in, rows);
           std::vector<float> all(size_t(rows) * out), one(out);
@@ -130,6 +137,120 @@ TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
   EXPECT_EQ(std::memcmp(best.data(), dflt.data(), best.size() * sizeof(float)), 0);
 }
 
+// The int8 definition, written apart from the kernels: an input row becomes q = round(x * 127 /
+// max |x|) (ties to even), a weight row round(w / (max |w| / 127)); the output is the exact integer
+// sum of q_x * q_w, times (max |x| / 127) * (max |w| / 127), plus the bias in one rounding.
+struct Int8Reference {
+  std::vector<int> qw;       // [out][in]
+  std::vector<float> wscale;  // [out]
+  int in, out;
+  Int8Reference(const std::vector<float>& w, int out_, int in_) : in(in_), out(out_) {
+    qw.resize(size_t(out) * in);
+    wscale.resize(out);
+    for (int o = 0; o < out; ++o) {
+      float amax = 0;
+      for (int i = 0; i < in; ++i) amax = std::max(amax, std::fabs(w[size_t(o) * in + i]));
+      wscale[o] = amax > 0 ? amax / 127.0f : 1.0f;
+      for (int i = 0; i < in; ++i) qw[size_t(o) * in + i] = int(std::nearbyint(w[size_t(o) * in + i] / wscale[o]));
+    }
+  }
+  // Row r's outputs; `sums` gets the exact integer sums.
+  std::vector<float> Row(const float* x, const float* bias, std::vector<int64_t>* sums) const {
+    float amax = 0;
+    for (int i = 0; i < in; ++i) amax = std::max(amax, std::fabs(x[i]));
+    std::vector<int> qx(in, 0);
+    for (int i = 0; i < in && amax > 0; ++i) qx[i] = int(std::nearbyint(x[i] * (127.0f / amax)));
+    const float xscale = amax / 127.0f;
+    std::vector<float> y(out);
+    sums->assign(out, 0);
+    for (int o = 0; o < out; ++o) {
+      int64_t s = 0;
+      for (int i = 0; i < in; ++i) s += int64_t{qx[i]} * qw[size_t(o) * in + i];
+      (*sums)[o] = s;
+      const float scale = xscale * wscale[o];
+      y[o] = bias != nullptr ? std::fma(float(s), scale, bias[o]) : float(s) * scale;
+    }
+    return y;
+  }
+};
+
+// Every int8 kernel this CPU runs gives the definition's bits for every row, whatever the number
+// of rows in the call, with and without a bias and a pool; depths not a multiple of 4 included.
+TEST(LinearTest, Int8KernelsComputeTheIntegerDefinitionExactly) {
+  cpu::ThreadPool pool(2);
+  const std::vector<cpu::Int8Isa> isas = cpu::SupportedInt8Isas();
+  ASSERT_EQ(isas.back(), cpu::Int8Isa::kBase);
+  for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{513, 1536}, std::pair{6, 33}}) {
+    const std::vector<float> w = Random(size_t(in) * out, 11), b = Random(out, 12);
+    const Int8Reference ref(w, out, in);
+    const cpu::PackedMatrix packed(w.data(), out, in, cpu::WeightType::kInt8);
+    const int k4 = (in + 3) / 4 * 4, np = (out + 15) / 16;
+    EXPECT_EQ(packed.bytes(), int64_t(np) * 16 * k4 + np * 16 * 8);
+    for (int p = 0; p < np * 16; ++p) {  // the offsets: 128 x each output's weight sum
+      int64_t sum = 0;
+      for (int i = 0; p < out && i < in; ++i) sum += ref.qw[size_t(p) * in + i];
+      ASSERT_EQ(packed.offsets()[p], 128 * sum) << p;
+    }
+    for (int rows : {1, 2, 3, 5, 8, 9, 13, 33, 70}) {
+      std::vector<float> x = Random(size_t(rows) * in, 100 + rows);
+      if (rows == 3) std::fill(x.begin() + in, x.begin() + 2 * in, 0.0f);  // a zero row: the bias alone
+      std::vector<std::vector<float>> want(rows), want_nb(rows);
+      int64_t largest = 0;
+      for (int r = 0; r < rows; ++r) {
+        std::vector<int64_t> sums;
+        want[r] = ref.Row(x.data() + size_t(r) * in, b.data(), &sums);
+        want_nb[r] = ref.Row(x.data() + size_t(r) * in, nullptr, &sums);
+        for (int64_t s : sums) largest = std::max(largest, s < 0 ? -s : s);
+      }
+      ASSERT_GT(largest, 0);
+      for (cpu::Int8Isa isa : isas) {
+        SCOPED_TRACE(std::string(cpu::Int8IsaName(isa)) + " " + std::to_string(in) + " -> " + std::to_string(out) +
+                     ", rows " + std::to_string(rows));
+        for (cpu::ThreadPool* tp : {&pool, static_cast<cpu::ThreadPool*>(nullptr)}) {
+          std::vector<float> y(size_t(rows) * out), y_nb(size_t(rows) * out);
+          cpu::LinearInt8(x.data(), rows, packed, b.data(), y.data(), tp, isa);
+          cpu::LinearInt8(x.data(), rows, packed, nullptr, y_nb.data(), tp, isa);
+          for (int r = 0; r < rows; ++r) {
+            ASSERT_EQ(std::memcmp(y.data() + size_t(r) * out, want[r].data(), out * sizeof(float)), 0) << "row " << r;
+            ASSERT_EQ(std::memcmp(y_nb.data() + size_t(r) * out, want_nb[r].data(), out * sizeof(float)), 0)
+                << "row " << r << " without bias";
+          }
+        }
+      }
+    }
+  }
+  // The engine's entry point takes the best kernel; a row holding an infinity gives NaN outputs.
+  const std::vector<float> w = Random(64 * 48, 8);
+  std::vector<float> x = Random(2 * 64, 9);
+  const cpu::PackedMatrix packed(w.data(), 48, 64, cpu::WeightType::kInt8);
+  std::vector<float> best(2 * 48), dflt(2 * 48);
+  cpu::LinearInt8(x.data(), 2, packed, nullptr, best.data(), nullptr, isas.front());
+  cpu::LinearPacked(x.data(), 2, packed, nullptr, dflt.data(), nullptr);
+  EXPECT_EQ(std::memcmp(best.data(), dflt.data(), best.size() * sizeof(float)), 0);
+  x[70] = INFINITY;
+  cpu::LinearPacked(x.data(), 2, packed, nullptr, dflt.data(), nullptr);
+  EXPECT_EQ(std::memcmp(best.data(), dflt.data(), 48 * sizeof(float)), 0);
+  for (int o = 0; o < 48; ++o) EXPECT_TRUE(std::isnan(dflt[48 + o])) << o;
+}
+
+// The full int8 range: inputs and weights of +-127 everywhere (the largest pair sums, where a
+// saturating kernel would clip) give the exact sums.
+TEST(LinearTest, Int8ExtremesAreExact) {
+  const int in = 1024, out = 32;
+  std::vector<float> w(size_t(in) * out), x(in);
+  for (int i = 0; i < in; ++i) x[i] = (i % 3 == 0) ? -1.0f : 1.0f;
+  for (size_t i = 0; i < w.size(); ++i) w[i] = ((i / 7) % 2 == 0) ? 2.0f : -2.0f;
+  const Int8Reference ref(w, out, in);
+  std::vector<int64_t> sums;
+  const std::vector<float> want = ref.Row(x.data(), nullptr, &sums);
+  const cpu::PackedMatrix packed(w.data(), out, in, cpu::WeightType::kInt8);
+  for (cpu::Int8Isa isa : cpu::SupportedInt8Isas()) {
+    std::vector<float> y(out);
+    cpu::LinearInt8(x.data(), 1, packed, nullptr, y.data(), nullptr, isa);
+    EXPECT_EQ(std::memcmp(y.data(), want.data(), out * sizeof(float)), 0) << cpu::Int8IsaName(isa);
+  }
+}
+
 TEST(LinearTest, BlasAgreesWithinRounding) {
   const int in = 64, out = 96, rows = 5;
   const std::vector<float> w = Random(size_t(in) * out, 3), x = Random(size_t(rows) * in, 4);
@@ -157,6 +278,28 @@ TEST(NormTest, LayerNormAndRmsNorm) {
     for (int i = 0; i < dim; ++i) {
       EXPECT_NEAR(ln[r * dim + i], (x[r * dim + i] - mean) / std::sqrt(var + 1e-5) * w[i] + b[i], 1e-5);
       EXPECT_NEAR(rms[r * dim + i], x[r * dim + i] / std::sqrt(ss / dim + 1e-6) * w[i], 1e-5);
+    }
+  }
+}
+
+// Every width the CPU runs gives every element the same bits (inputs across the functions' ranges,
+// lengths with and without a partial last group).
+TEST(ActivationTest, EveryWidthGivesTheSameBits) {
+  const std::vector<int> widths = cpu::ActivationWidths();
+  ASSERT_EQ(widths.back(), 4);
+  std::vector<float> x = Random(1000, 21);
+  for (size_t i = 0; i < x.size(); ++i) x[i] *= (i % 5 == 0) ? 30.0f : 3.0f;
+  for (cpu::Activation act : {cpu::Activation::kRelu, cpu::Activation::kGelu, cpu::Activation::kGeluTanh,
+                              cpu::Activation::kSilu}) {
+    for (int64_t n : {int64_t{1000}, int64_t{997}, int64_t{3}}) {
+      std::vector<float> want(x.begin(), x.begin() + n);
+      cpu::ActivateWithWidth(act, want.data(), n, 4);
+      EXPECT_NE(std::memcmp(want.data(), x.data(), n * sizeof(float)), 0);
+      for (int lanes : widths) {
+        std::vector<float> got(x.begin(), x.begin() + n);
+        cpu::ActivateWithWidth(act, got.data(), n, lanes);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0) << lanes << " lanes, n " << n;
+      }
     }
   }
 }

@@ -15,30 +15,24 @@ namespace {
 
 constexpr int kP = PackedMatrix::kPanel;
 constexpr int kRowChunk = 128;  // rows per pass over the weights (keeps x in cache)
-constexpr int kStageRows = 8;   // bf16 / int8 panels are widened once for this many rows or more
+constexpr int kStageRows = 8;   // bf16 panels are widened once for this many rows or more
 
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
 
-typedef int8_t C4 __attribute__((vector_size(4)));
-typedef int8_t C8 __attribute__((vector_size(8)));
-typedef int8_t C16 __attribute__((vector_size(16)));
 typedef uint16_t H4 __attribute__((vector_size(8)));
 typedef uint16_t H8 __attribute__((vector_size(16)));
 typedef uint16_t H16 __attribute__((vector_size(32)));
-typedef int32_t I4 __attribute__((vector_size(16)));
-typedef int32_t I8 __attribute__((vector_size(32)));
-typedef int32_t I16 __attribute__((vector_size(64)));
 typedef uint32_t U4 __attribute__((vector_size(16)));
 typedef uint32_t U8 __attribute__((vector_size(32)));
 typedef uint32_t U16 __attribute__((vector_size(64)));
 
 // The narrow element vectors that widen to V (float x N).
 template <int N> struct Narrow;
-template <> struct Narrow<4> { using C = C4; using I = I4; using Bf = H4; using U = U4; };
-template <> struct Narrow<8> { using C = C8; using I = I8; using Bf = H8; using U = U8; };
-template <> struct Narrow<16> { using C = C16; using I = I16; using Bf = H16; using U = U16; };
+template <> struct Narrow<4> { using Bf = H4; using U = U4; };
+template <> struct Narrow<8> { using Bf = H8; using U = U8; };
+template <> struct Narrow<16> { using Bf = H16; using U = U16; };
 
 // Element by element: the form GCC turns into one vpmovsx/vpmovzx (a whole-vector conversion
 // between element sizes is scalarised).
@@ -47,19 +41,13 @@ __attribute__((always_inline)) inline void Widen(const Small& s, Wide& out, std:
   out = Wide{s[j]...};
 }
 
-// One vector of weights at `p`, widened to float (bf16 exactly; int8 exactly, unscaled).
+// One vector of weights at `p`, widened to float (bf16 exactly).
 // (Through a reference: returning a vector type from a function of no target draws an ABI warning.)
 template <typename V, typename T>
 __attribute__((always_inline)) inline void LoadW(const T* p, V& v) {
   using NV = Narrow<sizeof(V) / sizeof(float)>;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof v);
-  } else if constexpr (std::is_same_v<T, int8_t>) {
-    typename NV::C c;
-    std::memcpy(&c, p, sizeof c);
-    typename NV::I i;
-    Widen(c, i, std::make_index_sequence<sizeof(V) / sizeof(float)>());
-    v = __builtin_convertvector(i, V);
   } else {
     typename NV::Bf h;
     std::memcpy(&h, p, sizeof h);
@@ -200,13 +188,12 @@ using PanelFn = void (*)(const float*, int, const PackedMatrix&, const float*, f
 
 RELGEN_PANEL_FNS(float, F32)
 RELGEN_PANEL_FNS(uint16_t, Bf16)
-RELGEN_PANEL_FNS(int8_t, Int8)
 #undef RELGEN_PANEL_FNS
 
 PanelFn Kernel(GemmIsa isa, WeightType type) {
   switch (type) {
     case WeightType::kBf16: return KernelBf16(isa);
-    case WeightType::kInt8: return KernelInt8(isa);
+    case WeightType::kInt8:  // LinearInt8
     case WeightType::kF32: break;
   }
   return KernelF32(isa);
@@ -262,11 +249,15 @@ PackedMatrix::PackedMatrix(const float* w, int n, int k, WeightType type)
 PackedMatrix::PackedMatrix(int n, int k, WeightType type, const std::function<void(int row, float* out)>& row_of)
     : n_(n), k_(k), type_(type) {
   const int eb = WeightTypeBytes(type);
-  const size_t bytes = (static_cast<size_t>(panels()) * k * kP * eb + 63) / 64 * 64;
+  const int k4 = padded_k();
+  const size_t bytes = (static_cast<size_t>(panels()) * k4 * kP * eb + 63) / 64 * 64;
   data_.reset(static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
   char* d = data_.get();
   std::memset(d, 0, bytes);
-  if (type == WeightType::kInt8) scales_.assign(static_cast<size_t>(panels()) * kP, 0.0f);
+  if (type == WeightType::kInt8) {
+    scales_.assign(static_cast<size_t>(panels()) * kP, 0.0f);
+    offsets_.assign(static_cast<size_t>(panels()) * kP, 0);
+  }
   std::vector<float> buffer(static_cast<size_t>(k));
   const float* row = buffer.data();
   for (int o = 0; o < n; ++o) {
@@ -284,10 +275,14 @@ PackedMatrix::PackedMatrix(int n, int k, WeightType type, const std::function<vo
         for (int kk = 0; kk < k; ++kk) amax = std::max(amax, std::fabs(row[kk]));
         const float scale = amax > 0 ? amax / 127.0f : 1.0f;
         scales_[o] = scale;
+        int32_t sum = 0;
+        const int64_t base4 = static_cast<int64_t>(o / kP) * k4 * kP + o % kP * 4;
         for (int kk = 0; kk < k; ++kk) {
-          const float q = std::nearbyint(row[kk] / scale);
-          reinterpret_cast<int8_t*>(d)[base + kk * kP] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+          const auto q = static_cast<int8_t>(std::clamp(std::nearbyint(row[kk] / scale), -127.0f, 127.0f));
+          reinterpret_cast<int8_t*>(d)[base4 + kk / 4 * (4 * kP) + kk % 4] = q;
+          sum += q;
         }
+        offsets_[o] = 128 * sum;
         break;
       }
     }
@@ -315,13 +310,28 @@ const char* GemmIsaName(GemmIsa isa) {
 
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool) {
+  if (w.type() == WeightType::kInt8) {
+    static const Int8Isa int8_isa = SupportedInt8Isas().front();
+    LinearInt8(x, rows, w, bias, y, pool, int8_isa);
+    return;
+  }
   // Chosen once per process, so every row of a run takes the same arithmetic.
   static const GemmIsa isa = SupportedGemmIsas().front();
   Run(Kernel(isa, w.type()), x, rows, w, bias, y, pool);
 }
 
+std::string GemmPathName(WeightType t) {
+  if (t == WeightType::kInt8) return std::string(Int8IsaName(SupportedInt8Isas().front())) + " int8 dot products";
+  const GemmIsa isa = SupportedGemmIsas().front();
+  return std::string(GemmIsaName(isa)) + (isa == GemmIsa::kBase ? " float32 multiply-adds" : " float32 FMA");
+}
+
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool, GemmIsa isa) {
+  if (w.type() == WeightType::kInt8) {
+    LinearPacked(x, rows, w, bias, y, pool);
+    return;
+  }
   Run(Kernel(isa, w.type()), x, rows, w, bias, y, pool);
 }
 

@@ -15,15 +15,20 @@
 
 namespace relgen::cpu {
 
-// How the packed weights are stored. The arithmetic is float32 in every case: bf16 elements are
-// widened exactly; int8 elements are widened, accumulated, and the sum multiplied by the output
-// channel's scale (symmetric, max |w| / 127 per output) before the bias.
+// How the packed weights are stored. f32 and bf16 multiply in float32 (bf16 elements widened
+// exactly). int8 multiplies in integers: the weights are symmetric int8 with a scale per output
+// (max |w| / 127), each input row is quantised the same way with its own scale (so a row's result
+// never depends on the rows beside it), the int8 x int8 products are summed exactly in int32, and
+// the sum is scaled back in float32 (Int8Epilogue). Exact integers make every int8 kernel give the
+// same bits on every CPU.
 enum class WeightType { kF32, kBf16, kInt8 };
 const char* WeightTypeName(WeightType t);  // "f32", "bf16", "int8"
 bool ParseWeightType(const std::string& name, WeightType* t);
 int WeightTypeBytes(WeightType t);
 
-// W [n, k] repacked into panels of 16 outputs, [panels][k][16], zero-padded; 64-byte aligned.
+// W [n, k] repacked into panels of 16 outputs, zero-padded, 64-byte aligned: [panels][k][16] for
+// f32 and bf16; int8 in groups of 4 inputs, [panels][k4 / 4][16][4] with k4 = k rounded up to 4,
+// so one 32-bit lane holds an output's 4 consecutive weights (the VNNI dot product's operand).
 class PackedMatrix {
  public:
   static constexpr int kPanel = 16;
@@ -39,13 +44,17 @@ class PackedMatrix {
   int panels() const { return (n_ + kPanel - 1) / kPanel; }
   // Panel p's elements, of type() (float, uint16_t bf16 bits or int8_t).
   const void* panel(int p) const {
-    return data_.get() + static_cast<int64_t>(p) * k_ * kPanel * WeightTypeBytes(type_);
+    return data_.get() + static_cast<int64_t>(p) * padded_k() * kPanel * WeightTypeBytes(type_);
   }
+  // The packed depth: k, or for int8 k rounded up to a multiple of 4.
+  int padded_k() const { return type_ == WeightType::kInt8 ? (k_ + 3) / 4 * 4 : k_; }
   // int8: one scale per output, padded to whole panels; empty otherwise.
   const float* scales() const { return scales_.empty() ? nullptr : scales_.data(); }
+  // int8: 128 x the sum of each output's int8 weights (what an unsigned-input dot product adds).
+  const int32_t* offsets() const { return offsets_.empty() ? nullptr : offsets_.data(); }
   int64_t bytes() const {
-    return static_cast<int64_t>(panels()) * k_ * kPanel * WeightTypeBytes(type_) +
-           static_cast<int64_t>(scales_.size()) * sizeof(float);
+    return static_cast<int64_t>(panels()) * padded_k() * kPanel * WeightTypeBytes(type_) +
+           static_cast<int64_t>(scales_.size()) * sizeof(float) + static_cast<int64_t>(offsets_.size()) * sizeof(int32_t);
   }
 
  private:
@@ -56,6 +65,7 @@ class PackedMatrix {
   WeightType type_ = WeightType::kF32;
   std::unique_ptr<char, Free> data_;
   std::vector<float> scales_;
+  std::vector<int32_t> offsets_;
 };
 
 // The instruction sets the packed GEMM has a kernel for. The arithmetic of an output element is
@@ -65,11 +75,35 @@ enum class GemmIsa { kAvx512, kAvx2, kBase };
 std::vector<GemmIsa> SupportedGemmIsas();  // best first
 const char* GemmIsaName(GemmIsa isa);
 
+// The int8 kernels, by the instructions their dot products take: AVX-512 VNNI (vpdpbusd on 64
+// bytes), AVX-VNNI (the same on 32), AVX2 (vpsignb + vpmaddubsw + vpmaddwd, exact because no
+// operand is -128), and plain C++. All compute the same integers.
+enum class Int8Isa { kAvx512Vnni, kAvxVnni, kAvx2, kBase };
+std::vector<Int8Isa> SupportedInt8Isas();  // best first
+const char* Int8IsaName(Int8Isa isa);
+
+// One input row quantised for the int8 kernels: amax = max |x|; scale = amax / 127 and
+// q[i] = round-to-nearest-even(x[i] * (127 / amax)) in [-127, 127]; q is zero-padded to `padded`.
+// A zero row has scale 0; a row holding an infinity or NaN has scale NaN (its outputs are NaN).
+float QuantizeRow(const float* x, int k, int padded, int8_t* q);
+// An int8 output: float(sum) * (x_scale * w_scale), plus the bias in one rounding when present.
+inline float Int8Epilogue(int32_t sum, float x_scale, float w_scale, const float* bias) {
+  const float s = x_scale * w_scale;
+  return bias != nullptr ? __builtin_fmaf(static_cast<float>(sum), s, *bias) : static_cast<float>(sum) * s;
+}
+
+// What LinearPacked computes with for weights of type t on this CPU, e.g. "avx2 float32 FMA",
+// "avx512-vnni int8 dot products" (for the startup line).
+std::string GemmPathName(WeightType t);
+
 // y [rows, w.n()] = x [rows, w.k()] * W^T (+ bias [w.n()] when not null). `pool` may be null.
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool);
 // The same with a given kernel (tests; `isa` must be supported).
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
                   ThreadPool* pool, GemmIsa isa);
+// int8 weights with a given kernel (tests; `isa` must be supported).
+void LinearInt8(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool,
+                Int8Isa isa);
 
 }  // namespace relgen::cpu

@@ -51,29 +51,82 @@ void RmsNorm(const float* x, int rows, int dim, const float* weight, float eps, 
 
 namespace {
 
-// The activations on four lanes (kernels/cpu/vmath.h); every element of an array goes through
-// these, so an element's result does not depend on its index.
-vmath::V4 Apply(Activation act, vmath::V4 v) {
-  using vmath::Splat;
+// The activations on N lanes (kernels/cpu/vmath.h); every element of an array goes through
+// these, so an element's result does not depend on its index. Each lane computes the same
+// roundings at every width (this file never fuses a multiply-add), so the widths a CPU picks
+// between give the same bits.
+template <typename V, typename I>
+__attribute__((always_inline)) inline V Apply(Activation act, V v) {
+  const V zero = {};
   switch (act) {
     case Activation::kRelu:
-      return vmath::Select(v > Splat(0.0f), v, Splat(0.0f));
+      return v > zero ? v : zero;
     case Activation::kGelu:
-      return Splat(0.5f) * v * (Splat(1.0f) + vmath::Erf(v * Splat(0.70710678118654752f)));
+      return (zero + 0.5f) * v * ((zero + 1.0f) + vmath::ErfN<V, I>(v * 0.70710678118654752f));
     case Activation::kGeluTanh: {
-      const vmath::V4 c = Splat(0.79788456080286536f);  // sqrt(2/pi)
-      return Splat(0.5f) * v * (Splat(1.0f) + vmath::Tanh(c * (v + Splat(0.044715f) * v * v * v)));
+      const V c = zero + 0.79788456080286536f;  // sqrt(2/pi)
+      return (zero + 0.5f) * v * ((zero + 1.0f) + vmath::TanhN<V, I>(c * (v + (zero + 0.044715f) * v * v * v)));
     }
     case Activation::kSilu:
-      return v / (Splat(1.0f) + vmath::Exp(-v));
+      return v / ((zero + 1.0f) + vmath::ExpN<V, I>(-v));
   }
   return v;
 }
 
+// x[0..n) through the activation N at a time; a last partial group padded with zeros.
+template <typename V, typename I>
+__attribute__((always_inline)) inline void ActivateN(Activation act, float* x, int64_t n) {
+  constexpr int kN = sizeof(V) / sizeof(float);
+  int64_t i = 0;
+  for (; i + kN <= n; i += kN) {
+    V v;
+    __builtin_memcpy(&v, x + i, sizeof(v));
+    v = Apply<V, I>(act, v);
+    __builtin_memcpy(x + i, &v, sizeof(v));
+  }
+  if (i < n) {
+    V v = {};
+    for (int64_t l = 0; i + l < n; ++l) v[l] = x[i + l];
+    v = Apply<V, I>(act, v);
+    for (int64_t l = 0; i + l < n; ++l) x[i + l] = v[l];
+  }
+}
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+
+__attribute__((target("avx512f"))) void ActivateAvx512(Activation act, float* x, int64_t n) {
+  ActivateN<V16, I16>(act, x, n);
+}
+__attribute__((target("avx2"))) void ActivateAvx2(Activation act, float* x, int64_t n) {
+  ActivateN<V8, I8>(act, x, n);
+}
+void ActivateBase(Activation act, float* x, int64_t n) { ActivateN<vmath::V4, vmath::I4>(act, x, n); }
+
+using ActivateFn = void (*)(Activation, float*, int64_t);
+
+ActivateFn ActivateOfWidth(int lanes) {
+  return lanes == 16 ? ActivateAvx512 : (lanes == 8 ? ActivateAvx2 : ActivateBase);
+}
+
 }  // namespace
 
+std::vector<int> ActivationWidths() {
+  __builtin_cpu_init();
+  std::vector<int> widths;
+  if (__builtin_cpu_supports("avx512f")) widths.push_back(16);
+  if (__builtin_cpu_supports("avx2")) widths.push_back(8);
+  widths.push_back(4);
+  return widths;
+}
+
+void ActivateWithWidth(Activation act, float* x, int64_t n, int lanes) { ActivateOfWidth(lanes)(act, x, n); }
+
 void Activate(Activation act, float* x, int64_t n) {
-  vmath::Map(x, n, [act](vmath::V4 v) { return Apply(act, v); });
+  static const ActivateFn fn = ActivateOfWidth(ActivationWidths().front());
+  fn(act, x, n);
 }
 
 void ActivateGated(Activation act, float* x, const float* gate, int64_t n) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace relgen::cpu {
 
@@ -17,8 +18,11 @@ void LayerNorm(const float* x, int rows, int dim, const float* weight, const flo
                float* y);
 void RmsNorm(const float* x, int rows, int dim, const float* weight, float eps, float* y);
 
-// In place on n values.
+// In place on n values, at the widest vector width this CPU has.
 void Activate(Activation act, float* x, int64_t n);
+// The same at a given width (tests): 4, or 8 / 16 lanes where the CPU has AVX2 / AVX-512.
+std::vector<int> ActivationWidths();
+void ActivateWithWidth(Activation act, float* x, int64_t n, int lanes);
 // x[i] = act(x[i]) * gate[i], n values (gated FFN, e.g. SwiGLU / GeGLU).
 void ActivateGated(Activation act, float* x, const float* gate, int64_t n);
 

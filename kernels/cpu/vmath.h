@@ -47,26 +47,34 @@ __attribute__((always_inline)) inline V ExpN(V x) {
 
 __attribute__((always_inline)) inline V4 Exp(V4 x) { return ExpN<V4, I4>(x); }
 
-__attribute__((always_inline)) inline V4 Erf(V4 x) {
-  const I4 neg = x < Splat(0.0f);
-  const V4 a = Select(neg, -x, x);
-  const V4 t = Splat(1.0f) / (Splat(1.0f) + Splat(0.3275911f) * a);
-  V4 p = Splat(1.061405429f);
-  p = p * t + Splat(-1.453152027f);
-  p = p * t + Splat(1.421413741f);
-  p = p * t + Splat(-0.284496736f);
-  p = p * t + Splat(0.254829592f);
-  const V4 y = Splat(1.0f) - p * t * Exp(-(a * a));
-  return Select(neg, -y, y);
+// Erf and tanh on any width, like ExpN: the same per-lane arithmetic at every width.
+template <typename V, typename I>
+__attribute__((always_inline)) inline V ErfN(V x) {
+  const V zero = {};
+  const I neg = x < zero;
+  const V a = neg ? -x : x;
+  const V t = (zero + 1.0f) / ((zero + 1.0f) + (zero + 0.3275911f) * a);
+  V p = zero + 1.061405429f;
+  p = p * t + -1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t + -0.284496736f;
+  p = p * t + 0.254829592f;
+  const V y = (zero + 1.0f) - p * t * ExpN<V, I>(-(a * a));
+  return neg ? -y : y;
 }
 
-__attribute__((always_inline)) inline V4 Tanh(V4 x) {
+template <typename V, typename I>
+__attribute__((always_inline)) inline V TanhN(V x) {
   // 1 - 2 / (e^{2|x|} + 1), sign restored; e^{2|x|} saturates to a large finite value.
-  const I4 neg = x < Splat(0.0f);
-  const V4 a = Select(neg, -x, x);
-  const V4 y = Splat(1.0f) - Splat(2.0f) / (Exp(a + a) + Splat(1.0f));
-  return Select(neg, -y, y);
+  const V zero = {};
+  const I neg = x < zero;
+  const V a = neg ? -x : x;
+  const V y = (zero + 1.0f) - (zero + 2.0f) / (ExpN<V, I>(a + a) + 1.0f);
+  return neg ? -y : y;
 }
+
+__attribute__((always_inline)) inline V4 Erf(V4 x) { return ErfN<V4, I4>(x); }
+__attribute__((always_inline)) inline V4 Tanh(V4 x) { return TanhN<V4, I4>(x); }
 
 // f over x[0..n), four at a time; the last partial group is padded with zeros.
 template <typename F>

@@ -194,13 +194,42 @@ def cmd_check(a):
     return 0 if not exact or (err < 1e-4 and res["greedy_equal"]) else 1
 
 
+def hf_converted(model_dir, quantization):
+    """A Hugging Face checkpoint (BLOOM, MPT, ...) through CTranslate2's own converter, once per
+    checkpoint and quantization (cached under /tmp: converting bloom-560m takes a minute)."""
+    import hashlib
+    import ctranslate2
+    st = os.stat(os.path.join(model_dir, "model.safetensors"))
+    key = hashlib.sha256(f"{os.path.abspath(model_dir)}:{st.st_size}:{st.st_mtime_ns}:{quantization}".encode()).hexdigest()[:16]
+    out = os.path.join(tempfile.gettempdir(), f"relgen-ct2-{key}")
+    if not os.path.exists(os.path.join(out, "model.bin")):
+        print(f"ct2_peer: converting {model_dir} ({quantization or 'float32'}) to {out}", file=sys.stderr)
+
+        class Converter(ctranslate2.converters.TransformersConverter):
+            def load_model(self, model_class, path, **kwargs):  # transformers before 4.56 names it torch_dtype
+                if "dtype" in kwargs:
+                    kwargs["torch_dtype"] = kwargs.pop("dtype")
+                return model_class.from_pretrained(path, **kwargs)
+
+        Converter(model_dir).convert(out + ".part", quantization=quantization, force=True)
+        os.replace(out + ".part", out)
+    return out
+
+
 def cmd_bench(a):
-    cfg, _ = load(a.model)
+    cfg = json.load(open(os.path.join(a.model, "config.json")))
     with tempfile.TemporaryDirectory() as d:
-        convert(a.model, d, None if a.compute_type == "float32" else a.compute_type)
+        if "model_type" in cfg:  # a Hugging Face checkpoint
+            d = hf_converted(a.model, None if a.compute_type == "float32" else a.compute_type)
+        else:
+            convert(a.model, d, None if a.compute_type == "float32" else a.compute_type)
         gen = generator(d, a.threads, a.compute_type)
         rng = np.random.default_rng(0)
-        prompt = toks(rng.integers(0, 256, a.context))
+        if "model_type" in cfg:  # token strings of the converted vocabulary
+            vocab = json.load(open(os.path.join(d, "vocabulary.json")))
+            prompt = [vocab[int(i)] for i in rng.integers(100, 256, a.context)]
+        else:
+            prompt = toks(rng.integers(0, 256, a.context))
 
         def run(batch, new):
             t0 = time.perf_counter()
