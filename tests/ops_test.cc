@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -248,6 +251,24 @@ TEST(LinearTest, Int8ExtremesAreExact) {
     std::vector<float> y(out);
     cpu::LinearInt8(x.data(), 1, packed, nullptr, y.data(), nullptr, isa);
     EXPECT_EQ(std::memcmp(y.data(), want.data(), out * sizeof(float)), 0) << cpu::Int8IsaName(isa);
+  }
+}
+
+// Calls back to back (workers still spinning) and after pauses (workers asleep): every index is
+// run exactly once per call, whichever way a worker was woken; pools of 1 to 4 threads come and go.
+TEST(ThreadPoolTest, EveryIndexOnceWhetherWorkersSpinOrSleep) {
+  for (int threads : {1, 2, 3, 4}) {
+    cpu::ThreadPool pool(threads);
+    std::vector<std::atomic<int>> hits(64);
+    for (int call = 0; call < 600; ++call) {
+      const int n = call % 64;
+      for (auto& h : hits) h.store(0);
+      if (call % 50 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      pool.ParallelFor(n, [&](int begin, int end) {
+        for (int i = begin; i < end; ++i) hits[i].fetch_add(1);
+      });
+      for (int i = 0; i < 64; ++i) ASSERT_EQ(hits[i].load(), i < n ? 1 : 0) << threads << " threads, call " << call;
+    }
   }
 }
 

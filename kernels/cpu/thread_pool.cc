@@ -11,7 +11,7 @@ ThreadPool::ThreadPool(int num_threads) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   work_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
@@ -22,6 +22,18 @@ void Range(int n, int parts, int index, int* begin, int* end) {
   *begin = static_cast<int>(int64_t{n} * index / parts);
   *end = static_cast<int>(int64_t{n} * (index + 1) / parts);
 }
+
+// True once done() holds, after at most ~50 microseconds of polling (then the caller sleeps).
+template <typename F>
+bool SpinUntil(F done) {
+  for (int i = 0; i < 4096; ++i) {
+    if (done()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return done();
+}
 }  // namespace
 
 void ThreadPool::ParallelFor(int n, const std::function<void(int, int)>& fn) {
@@ -31,40 +43,44 @@ void ThreadPool::ParallelFor(int n, const std::function<void(int, int)>& fn) {
     return;
   }
   {
+    // Under the lock, so a worker about to sleep either sees the new generation or is woken.
     std::lock_guard<std::mutex> lock(mu_);
     fn_ = &fn;
     n_ = n;
-    pending_ = static_cast<int>(workers_.size());
-    ++generation_;
+    pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
   int begin, end;
   Range(n, num_threads(), 0, &begin, &end);
   if (begin < end) fn(begin, end);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  if (!SpinUntil([&] { return pending_.load(std::memory_order_acquire) == 0; })) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+  }
   fn_ = nullptr;
 }
 
 void ThreadPool::WorkerLoop(int index) {
   int seen = 0;
   while (true) {
-    const std::function<void(int, int)>* fn;
-    int n;
-    {
+    const auto moved = [&] {
+      return stop_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen;
+    };
+    if (!SpinUntil(moved)) {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      fn = fn_;
-      n = n_;
+      work_cv_.wait(lock, moved);
     }
+    if (stop_.load(std::memory_order_acquire)) return;
+    seen = generation_.load(std::memory_order_acquire);
+    const std::function<void(int, int)>* fn = fn_;
+    const int n = n_;
     int begin, end;
     Range(n, num_threads(), index, &begin, &end);
     if (begin < end) (*fn)(begin, end);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);  // the caller checks pending_ under it before sleeping
+      done_cv_.notify_one();
     }
   }
 }

@@ -1,8 +1,11 @@
 // A fixed set of worker threads for data-parallel loops. ParallelFor splits [0, n) into one
 // contiguous range per thread (the caller runs one); it returns when every range is done.
+// Workers and the caller spin briefly before sleeping: a decode step makes dozens of calls a
+// few microseconds apart, and a futex wake-up per call costs as much as the work.
 // Thread-safety: ParallelFor may be called from one thread at a time.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -27,11 +30,11 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
-  const std::function<void(int, int)>* fn_ = nullptr;
+  const std::function<void(int, int)>* fn_ = nullptr;  // written before generation_ moves
   int n_ = 0;
-  int generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
+  std::atomic<int> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace relgen::cpu
