@@ -21,6 +21,7 @@ namespace relgen::cpu {
   }
 RELGEN_DECLARE_ATTENTION(base)
 RELGEN_DECLARE_ATTENTION(avx2)
+RELGEN_DECLARE_ATTENTION(avx512)
 #undef RELGEN_DECLARE_ATTENTION
 
 namespace {
@@ -33,6 +34,7 @@ namespace {
 
 const AttentionKernels kBase = RELGEN_ATTENTION_KERNELS(base);
 const AttentionKernels kAvx2 = RELGEN_ATTENTION_KERNELS(avx2);
+const AttentionKernels kAvx512 = RELGEN_ATTENTION_KERNELS(avx512);
 
 // Chosen once per process, so every row of a run takes the same arithmetic.
 const AttentionKernels& Best() {
@@ -46,6 +48,7 @@ std::vector<AttentionIsa> SupportedAttentionIsas() {
   // By hand, not target_clones: GCC's clone resolver runs before TSan's runtime is up.
   __builtin_cpu_init();
   std::vector<AttentionIsa> isas;
+  if (__builtin_cpu_supports("avx512f")) isas.push_back(AttentionIsa::kAvx512);
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     isas.push_back(AttentionIsa::kAvx2);
   isas.push_back(AttentionIsa::kBase);
@@ -53,11 +56,11 @@ std::vector<AttentionIsa> SupportedAttentionIsas() {
 }
 
 const char* AttentionIsaName(AttentionIsa isa) {
-  return isa == AttentionIsa::kAvx2 ? "avx2" : "base";
+  return isa == AttentionIsa::kAvx512 ? "avx512" : (isa == AttentionIsa::kAvx2 ? "avx2" : "base");
 }
 
 const AttentionKernels& AttentionKernelsFor(AttentionIsa isa) {
-  return isa == AttentionIsa::kAvx2 ? kAvx2 : kBase;
+  return isa == AttentionIsa::kAvx512 ? kAvx512 : (isa == AttentionIsa::kAvx2 ? kAvx2 : kBase);
 }
 
 const char* KvTypeName(KvType t) { return t == KvType::kBf16 ? "bf16" : "f32"; }

@@ -101,9 +101,10 @@ void AddSkewedRelativeLogits(const float* q, int ldq, int lq, int lk, const floa
                              float mult, float* scores, float* scratch);
 
 // The instruction sets attention has a code path for. A process uses one, the best its CPU runs
-// (the functions above): AVX2 fuses multiply-adds, the baseline does not, so the paths differ in
-// rounding; within one, every row takes the same arithmetic in every mode.
-enum class AttentionIsa { kAvx2, kBase };
+// (the functions above): AVX-512 and AVX2 fuse multiply-adds (in 16 and 8 lanes), the baseline
+// does not, so the paths differ in rounding; within one, every row takes the same arithmetic in
+// every mode.
+enum class AttentionIsa { kAvx512, kAvx2, kBase };
 std::vector<AttentionIsa> SupportedAttentionIsas();  // best first
 const char* AttentionIsaName(AttentionIsa isa);
 // The functions above, of one instruction set (tests reach each path this way).

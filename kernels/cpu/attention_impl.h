@@ -1,5 +1,5 @@
 // The attention kernels' bodies, compiled once per instruction set (attention_base.cc,
-// attention_avx2.cc) into namespace relgen::cpu::RELGEN_ATTENTION_ISA; attention.cc picks one per
+// attention_avx2.cc, attention_avx512.cc) into namespace relgen::cpu::RELGEN_ATTENTION_ISA; attention.cc picks one per
 // process. Not a public header: include it only from those files, after defining the namespace.
 #ifndef RELGEN_ATTENTION_ISA
 #error "define RELGEN_ATTENTION_ISA before including attention_impl.h"
@@ -155,6 +155,94 @@ __attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int 
 template <typename T>
 inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
                         float* out) {
+  if (hd == 64) return WeightedSumFixed<64, T>(w, n, kv, head, ks, out);
+  if (hd == 32) return WeightedSumFixed<32, T>(w, n, kv, head, ks, out);
+  WeightedSumAnySize<T>(w, n, kv, head, ks, hd, out);
+}
+
+#elif RELGEN_ATTENTION_VECTOR16
+// Sixteen floats as one value (zmm registers in the AVX-512 file): the same loops as the 8-lane
+// path at twice the width, with their own fixed reduction order.
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+
+__attribute__((always_inline)) inline V16 Load16(const float* p) {
+  return *reinterpret_cast<const V16*>(p);
+}
+
+__attribute__((always_inline)) inline V16 Load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<V16>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+}
+
+// Lanes l and l + 8 first, then the 8-lane order.
+__attribute__((always_inline)) inline __m256 Halves16(V16 c) {
+  const __m512 m = reinterpret_cast<__m512>(c);
+  return _mm256_add_ps(_mm512_castps512_ps256(m), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+}
+
+__attribute__((always_inline)) inline float Reduce16(V16 c) {
+  const __m256 h = Halves16(c);
+  float e[8];
+  _mm256_storeu_ps(e, h);
+  return ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
+}
+
+template <typename T>
+__attribute__((always_inline)) inline float Dot(const float* a, const T* b, int n) {
+  V16 acc = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) acc += Load16(a + i) * Load16(b + i);
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * Wide(b[i]);
+  return Reduce16(acc);
+}
+
+// Dot(a, b[x], n) for four vectors at once, each with Dot's arithmetic exactly.
+template <typename T>
+__attribute__((always_inline)) inline void Dot4(const float* a, const T* const b[4], int n, float* out) {
+  V16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const V16 x = Load16(a + i);
+    acc0 += x * Load16(b[0] + i);
+    acc1 += x * Load16(b[1] + i);
+    acc2 += x * Load16(b[2] + i);
+    acc3 += x * Load16(b[3] + i);
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    acc0[l] += a[i] * Wide(b[0][i]);
+    acc1[l] += a[i] * Wide(b[1][i]);
+    acc2[l] += a[i] * Wide(b[2][i]);
+    acc3[l] += a[i] * Wide(b[3][i]);
+  }
+  // Reduce16 of each, four at a time (the same additions in the same order; see the 8-lane Dot4).
+  const auto quarters = [](V16 c) {
+    const __m256 h = Halves16(c);
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  };
+  const __m128 h01 = _mm_hadd_ps(quarters(acc0), quarters(acc1));
+  const __m128 h23 = _mm_hadd_ps(quarters(acc2), quarters(acc3));
+  _mm_storeu_ps(out, _mm_hadd_ps(h01, h23));
+}
+
+template <int HD, typename T>
+__attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int n, const KvView& kv,
+                                                            int head, int ks, float* out) {
+  V16 acc[HD / 16] = {};
+  RowCursor<T> rows(kv, kv.v, head, ks);
+  for (int j = 0; j < n; ++j) {
+    const T* v = rows.Next();
+    const V16 wj = V16{} + w[j];
+    for (int c = 0; c < HD / 16; ++c) acc[c] += wj * Load16(v + 16 * c);
+  }
+  for (int c = 0; c < HD / 16; ++c) {
+    for (int l = 0; l < 16; ++l) out[16 * c + l] = acc[c][l];
+  }
+}
+
+template <typename T>
+inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
+                        float* out) {
+  if (hd == 128) return WeightedSumFixed<128, T>(w, n, kv, head, ks, out);
   if (hd == 64) return WeightedSumFixed<64, T>(w, n, kv, head, ks, out);
   if (hd == 32) return WeightedSumFixed<32, T>(w, n, kv, head, ks, out);
   WeightedSumAnySize<T>(w, n, kv, head, ks, hd, out);

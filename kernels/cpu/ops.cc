@@ -6,7 +6,13 @@
 #include <cmath>
 #include <limits>
 
+// vmath's wide helpers return vectors, but every call is inlined into a function of the matching
+// target in this file: no call crosses the ABI the warning is about.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 #include "kernels/cpu/vmath.h"
+
 
 namespace relgen::cpu {
 
@@ -55,22 +61,27 @@ namespace {
 // these, so an element's result does not depend on its index. Each lane computes the same
 // roundings at every width (this file never fuses a multiply-add), so the widths a CPU picks
 // between give the same bits.
+// (In place through a reference: returning a wide vector from a function of no target draws an
+// ABI warning.)
 template <typename V, typename I>
-__attribute__((always_inline)) inline V Apply(Activation act, V v) {
+__attribute__((always_inline)) inline void Apply(Activation act, V& v) {
   const V zero = {};
   switch (act) {
     case Activation::kRelu:
-      return v > zero ? v : zero;
+      v = v > zero ? v : zero;
+      return;
     case Activation::kGelu:
-      return (zero + 0.5f) * v * ((zero + 1.0f) + vmath::ErfN<V, I>(v * 0.70710678118654752f));
+      v = (zero + 0.5f) * v * ((zero + 1.0f) + vmath::ErfN<V, I>(v * 0.70710678118654752f));
+      return;
     case Activation::kGeluTanh: {
       const V c = zero + 0.79788456080286536f;  // sqrt(2/pi)
-      return (zero + 0.5f) * v * ((zero + 1.0f) + vmath::TanhN<V, I>(c * (v + (zero + 0.044715f) * v * v * v)));
+      v = (zero + 0.5f) * v * ((zero + 1.0f) + vmath::TanhN<V, I>(c * (v + (zero + 0.044715f) * v * v * v)));
+      return;
     }
     case Activation::kSilu:
-      return v / ((zero + 1.0f) + vmath::ExpN<V, I>(-v));
+      v = v / ((zero + 1.0f) + vmath::ExpN<V, I>(-v));
+      return;
   }
-  return v;
 }
 
 // x[0..n) through the activation N at a time; a last partial group padded with zeros.
@@ -81,13 +92,13 @@ __attribute__((always_inline)) inline void ActivateN(Activation act, float* x, i
   for (; i + kN <= n; i += kN) {
     V v;
     __builtin_memcpy(&v, x + i, sizeof(v));
-    v = Apply<V, I>(act, v);
+    Apply<V, I>(act, v);
     __builtin_memcpy(x + i, &v, sizeof(v));
   }
   if (i < n) {
     V v = {};
     for (int64_t l = 0; i + l < n; ++l) v[l] = x[i + l];
-    v = Apply<V, I>(act, v);
+    Apply<V, I>(act, v);
     for (int64_t l = 0; i + l < n; ++l) x[i + l] = v[l];
   }
 }
@@ -106,6 +117,39 @@ __attribute__((target("avx2"))) void ActivateAvx2(Activation act, float* x, int6
 void ActivateBase(Activation act, float* x, int64_t n) { ActivateN<vmath::V4, vmath::I4>(act, x, n); }
 
 using ActivateFn = void (*)(Activation, float*, int64_t);
+
+// x[i] = exp(x[i] - shift) N at a time (the same bits at every width, as the activations).
+template <typename V, typename I>
+__attribute__((always_inline)) inline void ExpShiftedN(float* x, int64_t n, float shift) {
+  constexpr int kN = sizeof(V) / sizeof(float);
+  const V s = V{} + shift;
+  int64_t i = 0;
+  for (; i + kN <= n; i += kN) {
+    V v;
+    __builtin_memcpy(&v, x + i, sizeof(v));
+    v = vmath::ExpN<V, I>(v - s);
+    __builtin_memcpy(x + i, &v, sizeof(v));
+  }
+  for (; i < n; ++i) {  // one lane at a time through the 4-lane form: the same per-lane arithmetic
+    vmath::V4 v = vmath::Splat(0.0f);
+    v[0] = x[i];
+    x[i] = vmath::Exp(v - vmath::Splat(shift))[0];
+  }
+}
+
+__attribute__((target("avx512f"))) void ExpShiftedAvx512(float* x, int64_t n, float shift) {
+  ExpShiftedN<V16, I16>(x, n, shift);
+}
+__attribute__((target("avx2"))) void ExpShiftedAvx2(float* x, int64_t n, float shift) {
+  ExpShiftedN<V8, I8>(x, n, shift);
+}
+void ExpShiftedBase(float* x, int64_t n, float shift) { ExpShiftedN<vmath::V4, vmath::I4>(x, n, shift); }
+
+using ExpShiftedFn = void (*)(float*, int64_t, float);
+
+ExpShiftedFn ExpShiftedOfWidth(int lanes) {
+  return lanes == 16 ? ExpShiftedAvx512 : (lanes == 8 ? ExpShiftedAvx2 : ExpShiftedBase);
+}
 
 ActivateFn ActivateOfWidth(int lanes) {
   return lanes == 16 ? ActivateAvx512 : (lanes == 8 ? ActivateAvx2 : ActivateBase);
@@ -148,6 +192,7 @@ void AddInPlace(float* y, const float* x, int64_t n) {
 
 void SoftmaxRows(float* x, int rows, int cols, int ld) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  static const ExpShiftedFn exp_shifted = ExpShiftedOfWidth(ActivationWidths().front());
   for (int r = 0; r < rows; ++r) {
     float* row = x + static_cast<int64_t>(r) * ld;
     // The maximum in four lanes (exact in any order), the sum in four lanes reduced in a fixed
@@ -166,7 +211,7 @@ void SoftmaxRows(float* x, int rows, int cols, int ld) {
       continue;
     }
     // exp(-inf) is 0 here (masked keys).
-    vmath::Map(row, cols, [mx](vmath::V4 v) { return vmath::Exp(v - vmath::Splat(mx)); });
+    exp_shifted(row, cols, mx);
     vmath::V4 s4 = vmath::Splat(0.0f);
     for (c = 0; c + 4 <= cols; c += 4) {
       vmath::V4 v;
