@@ -62,6 +62,9 @@ ABSL_FLAG(std::string, weights_dtype, "auto",
           "else f32), f32, bf16 "
           "(half the bytes) or, on the CPU, int8 (a quarter; per-output-channel scales); arithmetic stays float32. "
           "docs/benchmarks.md gives each one's accuracy");
+ABSL_FLAG(std::string, activations_dtype, "f32",
+          "the CPU projections' inputs: f32, or bf16 (rounded to nearest even first; with bf16 weights multiplied by "
+          "AVX-512 BF16 dot products where the CPU has them: twice the arithmetic, the accuracy in docs/benchmarks.md)");
 ABSL_FLAG(std::string, kv_cache_dtype, "auto",
           "how the K/V cache is stored (CPU and CUDA): auto (on a GPU bf16; on the CPU bf16 for a bf16 checkpoint, else "
           "f32), f32, or bf16 "
@@ -207,6 +210,7 @@ int Main(int argc, char** argv) {
   o.threads = absl::GetFlag(FLAGS_threads);
   o.weights_dtype = absl::GetFlag(FLAGS_weights_dtype);
   o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
+  o.activations_dtype = absl::GetFlag(FLAGS_activations_dtype);
   o.cuda_gemm = absl::GetFlag(FLAGS_cuda_gemm);
   o.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
@@ -368,6 +372,7 @@ int Main(int argc, char** argv) {
   dev.threads = o.threads;
   dev.weights_dtype = o.weights_dtype;
   dev.kv_cache_dtype = o.kv_cache_dtype;
+  dev.activations_dtype = o.activations_dtype;
   dev.cuda_gemm = o.cuda_gemm;
   dev.max_step_tokens = o.max_batch_tokens;
   dev.max_step_encoder_tokens = o.max_encoder_tokens;
@@ -382,7 +387,7 @@ int Main(int argc, char** argv) {
   if (auto chosen = ResolveDeviceOptions(**model, dev); chosen.ok() && chosen->device == "cuda") {
     weights_dtype += " (" + chosen->cuda_gemm + " projections)";
   } else if (cpu::WeightType wt; cpu::ParseWeightType(weights_dtype, &wt)) {
-    weights_dtype += " (" + cpu::GemmPathName(wt) + ")";  // the kernel this CPU's features picked
+    weights_dtype += " (" + cpu::GemmPathName(wt, o.activations_dtype == "bf16") + ")";  // what this CPU's features picked
   }
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;

@@ -468,7 +468,7 @@ double WorstRowError(const std::vector<float>& a, const std::vector<float>& b, i
 }
 
 // Tensor cores against their CPU twin: bf16 weights with every projection's input rounded to bf16
-// (NewCpuBackend's bf16_activations), each product exact in float32 on both. Where the float32
+// (NewCpuBackend's ProjectionInputs::kBf16), each product exact in float32 on both. Where the float32
 // work before a projection agrees (on the emulator, mostly) the two agree bit for bit; where it
 // differs in its last bits (another attention kernel), an activation near a rounding midpoint can
 // round to the other bf16 neighbour, and from there the two move apart. Such flips are a few of
@@ -488,7 +488,7 @@ void ExpectTensorCoresMatchTheCpuTwin(const std::shared_ptr<const Model>& model,
   auto backend = NewCudaBackend(model, o);
   ASSERT_TRUE(backend.ok()) << backend.status();
   const KvCacheConfig kv{o.block_size, blocks};
-  auto twin = NewCpuBackend(model, kv, 1, cpu::WeightType::kBf16, cpu::KvType::kF32, /*bf16_activations=*/true);
+  auto twin = NewCpuBackend(model, kv, 1, cpu::WeightType::kBf16, cpu::KvType::kF32, ProjectionInputs::kBf16);
   ASSERT_TRUE(twin.ok()) << twin.status();
   auto plain = NewCpuBackend(model, kv, 1, cpu::WeightType::kBf16, cpu::KvType::kF32);
   ASSERT_TRUE(plain.ok()) << plain.status();

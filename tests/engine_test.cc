@@ -705,12 +705,67 @@ TEST(DeviceWeightsTest, AutoFollowsTheCheckpointsType) {
   }
 }
 
+// --activations_dtype bf16 (CPU): every projection's input rounded to bf16 (with bf16 weights,
+// AVX-512 BF16 dot products where the CPU has them): the logits move from the float32-input ones,
+// a sequence's logits are the same bits alone and beside another, prefill in one step or in two.
+// A GPU refuses it, naming its own way.
+TEST(DeviceWeightsTest, Bf16ActivationsTakeEffectAndStayBatchInvariant) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
+  const int vocab = model->config().vocab_size;
+  auto make = [&](const std::string& activations) {
+    DeviceOptions o;
+    o.device = "cpu";
+    o.kv_cache_tokens = 1024;
+    o.kv_block_size = 16;
+    o.weights_dtype = "bf16";
+    o.activations_dtype = activations;
+    auto b = NewBackend(model, o);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return std::move(*b);
+  };
+  std::vector<int32_t> a(37), b(21);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = int32_t((i * 7 + 3) % 200 + 20);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = int32_t((i * 11 + 5) % 200 + 20);
+  const std::vector<int32_t> table_a = {0, 1, 2}, table_b = {3, 4};
+  auto logits = [&](Backend& be, std::vector<SequenceStep> steps) {
+    std::vector<float> out;
+    EXPECT_TRUE(be.Forward(steps, &out).ok());
+    return out;
+  };
+  auto rounded = make("bf16");
+  auto plain = make("f32");
+  const std::vector<float> alone = logits(*rounded, {SequenceStep{a, 0, table_a, true}});
+  const std::vector<float> together =
+      logits(*rounded, {SequenceStep{b, 0, table_b, true}, SequenceStep{a, 0, table_a, true}});
+  ASSERT_EQ(alone.size(), a.size() * vocab);
+  ASSERT_EQ(together.size(), (a.size() + b.size()) * vocab);
+  EXPECT_EQ(std::memcmp(alone.data(), together.data() + b.size() * vocab, alone.size() * sizeof(float)), 0);
+  // The same sequence prefilled in two chunks: the second chunk's logits are the same bits.
+  const std::vector<int32_t> head(a.begin(), a.begin() + 20), tail(a.begin() + 20, a.end());
+  logits(*rounded, {SequenceStep{head, 0, table_a, true}});
+  const std::vector<float> second = logits(*rounded, {SequenceStep{tail, 20, table_a, true}});
+  EXPECT_EQ(std::memcmp(second.data(), alone.data() + 20 * vocab, second.size() * sizeof(float)), 0);
+  const std::vector<float> unrounded = logits(*plain, {SequenceStep{a, 0, table_a, true}});
+  double moved = 0;
+  for (size_t i = 0; i < alone.size(); ++i) moved = std::max(moved, double(std::fabs(alone[i] - unrounded[i])));
+  EXPECT_GT(moved, 0) << "the rounding in effect";
+  EXPECT_LT(moved, 0.5) << "bf16 inputs stay near float32 inputs";
+
+  DeviceOptions gpu;
+  gpu.device = "cuda";
+  gpu.activations_dtype = "bf16";
+  const auto refused = ResolveDeviceOptions(*model, gpu);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("--cuda_gemm mma"));
+}
+
 // Storage type (and CUDA projection) names NewBackend does not know are refused with the allowed ones.
 TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
   auto model = *Model::Load(testing::GoldenDir() + "/engine/skew");
   for (const auto& [field, name, message] :
        {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed auto, f32, bf16, int8"},
         std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed auto, f32, bf16"},
+        std::tuple{&DeviceOptions::activations_dtype, "fp16", "--activations_dtype fp16: allowed f32, bf16"},
         std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed auto, invariant, cublas, mma"}}) {
     DeviceOptions o;
     o.device = "cpu";

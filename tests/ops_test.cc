@@ -140,6 +140,40 @@ TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
   EXPECT_EQ(std::memcmp(best.data(), dflt.data(), best.size() * sizeof(float)), 0);
 }
 
+// The bf16 dot kernel (where the CPU has AVX-512 BF16): every row against float64 on the rounded
+// operands (inputs and weights each rounded to bf16, nearest even), bitwise the same whatever the
+// number of rows in the call; odd depths included.
+TEST(LinearTest, Bf16DotMatchesFloat64OnTheRoundedOperands) {
+  if (!cpu::Bf16DotSupported()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
+  cpu::ThreadPool pool(2);
+  for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{513, 1536}}) {
+    const std::vector<float> w = Random(size_t(in) * out, 31), b = Random(out, 32);
+    const cpu::PackedMatrix packed(w.data(), out, in, cpu::WeightType::kBf16);
+    for (int rows : {1, 2, 3, 9, 17, 130}) {
+      const std::vector<float> x = Random(size_t(rows) * in, 200 + rows);
+      std::vector<float> all(size_t(rows) * out), one(out);
+      cpu::LinearBf16Dot(x.data(), rows, packed, b.data(), all.data(), &pool);
+      double moved = 0;  // from the float32-input product: the inputs' rounding in effect
+      for (int r = 0; r < rows; ++r) {
+        cpu::LinearBf16Dot(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr);
+        ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0) << "row " << r;
+        for (int o = 0; o < out; ++o) {
+          double acc = 0, exact_x = 0, mag = 0;
+          for (int i = 0; i < in; ++i) {
+            const double wi = testing::Bf16Value(w[size_t(o) * in + i]), xi = x[size_t(r) * in + i];
+            acc += testing::Bf16Value(float(xi)) * wi;
+            exact_x += xi * wi;
+            mag += std::fabs(xi * wi);
+          }
+          ASSERT_NEAR(one[o], acc + b[o], 2e-6 * (mag + std::fabs(b[o])) + 1e-6) << in << "->" << out << " " << r << "," << o;
+          moved = std::max(moved, std::fabs(acc - exact_x));
+        }
+      }
+      EXPECT_GT(moved, 0);
+    }
+  }
+}
+
 // The int8 definition, written apart from the kernels: an input row becomes q = round(x * 127 /
 // max |x|) (ties to even), a weight row round(w / (max |w| / 127)); the output is the exact integer
 // sum of q_x * q_w, times (max |x| / 127) * (max |w| / 127), plus the bias in one rounding.

@@ -71,12 +71,13 @@ void Embed(const StoredMatrix& table, const int32_t* ids, int n, float scale, fl
 class CpuBackend final : public Backend {
  public:
   CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads, cpu::WeightType wt,
-             cpu::KvType kv_type, bool bf16_activations)
+             cpu::KvType kv_type, ProjectionInputs inputs)
       : model_(std::move(model)),
         kv_(kv),
         weight_type_(wt),
         kv_type_(kv_type),
-        bf16_activations_(bf16_activations),
+        bf16_activations_(inputs != ProjectionInputs::kF32),
+        bf16_dot_(inputs == ProjectionInputs::kBf16Dot && wt == cpu::WeightType::kBf16 && cpu::Bf16DotSupported()),
         pool_(threads) {
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
@@ -220,6 +221,10 @@ class CpuBackend final : public Backend {
   // Encodes the input of every step that carries one and writes each decoder layer's cross K/V.
   void Encode(absl::Span<const SequenceStep> steps);
   void Linear(const float* x, int rows, const cpu::PackedMatrix& w, const float* bias, float* y) {
+    if (bf16_dot_ && w.type() == cpu::WeightType::kBf16) {
+      cpu::LinearBf16Dot(x, rows, w, bias, y, &pool_);  // rounds the inputs itself
+      return;
+    }
     if (bf16_activations_) {
       const int k = w.k();
       rounded_.resize(int64_t{rows} * k);
@@ -249,6 +254,7 @@ class CpuBackend final : public Backend {
   cpu::WeightType weight_type_;
   cpu::KvType kv_type_;
   bool bf16_activations_;
+  bool bf16_dot_;  // bf16 inputs x bf16 weights through AVX-512 BF16 dot products
   int64_t layer_bytes_ = 0;
   KvPool k_pool_, v_pool_;
   bool pool_ok_ = false;
@@ -524,14 +530,14 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& c, int64_t tokens, double mem
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
                                                        KvCacheConfig kv, int threads, cpu::WeightType weights,
-                                                       cpu::KvType kv_type, bool bf16_activations) {
+                                                       cpu::KvType kv_type, ProjectionInputs inputs) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
   if (kv.block_size < 1 || kv.num_blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache of ", kv.num_blocks, " blocks of ",
                                                    kv.block_size, " tokens; both must be >= 1"));
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  auto backend = std::make_unique<CpuBackend>(std::move(model), kv, threads, weights, kv_type, bf16_activations);
+  auto backend = std::make_unique<CpuBackend>(std::move(model), kv, threads, weights, kv_type, inputs);
   if (!backend->pool_ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot map a KV pool of ", kv.num_blocks, " blocks of ",
                                                      kv.block_size, " tokens; give a smaller --kv_cache_tokens"));

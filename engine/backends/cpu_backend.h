@@ -24,16 +24,21 @@ inline constexpr double kCpuKvDefaultFraction = 0.2;
 absl::StatusOr<int> CpuKvBlocks(const ModelConfig& config, int64_t tokens, double memory_fraction,
                                 int block_size, cpu::KvType kv_type = cpu::KvType::kF32, int max_seqs = 0);
 
+// How each projection's input enters the multiply. kF32: as computed. kBf16: rounded to bf16
+// (nearest even) first, the lm_head input scale applied to the product: the arithmetic of the CUDA
+// backend's tensor cores (with bf16 weights every product is exact in float32, so only the order of
+// the float32 sums differs), their CPU twin. kBf16Dot: rounded likewise, and with bf16 weights on a
+// CPU with AVX-512 BF16 multiplied by its dot products (cpu::LinearBf16Dot: a pair of products per
+// float32 addition, twice the arithmetic); elsewhere the same as kBf16.
+enum class ProjectionInputs { kF32, kBf16, kBf16Dot };
+
 // Allocates the KV pool of `kv` (num_blocks >= 1). `threads` 0 uses every hardware thread.
 // `weights` is how the dense layers' weights (and the LM head) are stored, `kv_type` the K/V
-// cache's elements; outputs are batch invariant within each combination. `bf16_activations`: every
-// projection's input rounded to bf16 (nearest even) first, the lm_head input scale applied to the
-// product: the arithmetic of the CUDA backend's tensor cores (with bf16 weights every product is
-// exact in float32, so only the order of the float32 sums differs).
+// cache's elements; outputs are batch invariant within each combination.
 absl::StatusOr<std::unique_ptr<Backend>> NewCpuBackend(std::shared_ptr<const Model> model,
                                                        KvCacheConfig kv, int threads = 0,
                                                        cpu::WeightType weights = cpu::WeightType::kF32,
                                                        cpu::KvType kv_type = cpu::KvType::kF32,
-                                                       bool bf16_activations = false);
+                                                       ProjectionInputs inputs = ProjectionInputs::kF32);
 
 }  // namespace relgen

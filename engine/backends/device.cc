@@ -53,6 +53,13 @@ absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOpt
     return absl::InvalidArgumentError(
         absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed auto, f32, bf16, int8"));
   }
+  if (o.activations_dtype != "f32" && o.activations_dtype != "bf16") {
+    return absl::InvalidArgumentError(absl::StrCat("--activations_dtype ", o.activations_dtype, ": allowed f32, bf16"));
+  }
+  if (gpu && o.activations_dtype != "f32") {
+    return absl::InvalidArgumentError(
+        "--activations_dtype bf16 is the CPU's; on a GPU --cuda_gemm mma multiplies bf16 inputs");
+  }
   // A GPU's decode reads the whole cache each step: bf16 halves it. The CPU keeps a checkpoint's
   // precision unless asked.
   if (o.kv_cache_dtype == "auto") o.kv_cache_dtype = gpu || bf16_file ? "bf16" : "f32";
@@ -118,7 +125,8 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
   auto blocks = CpuKvBlocks(c, o.kv_cache_tokens, o.kv_cache_memory_fraction, o.kv_block_size, kv_type,
                             o.max_step_seqs);
   if (!blocks.ok()) return blocks.status();
-  return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads, weights, kv_type);
+  return NewCpuBackend(std::move(model), KvCacheConfig{o.kv_block_size, *blocks}, o.threads, weights, kv_type,
+                       o.activations_dtype == "bf16" ? ProjectionInputs::kBf16Dot : ProjectionInputs::kF32);
 }
 
 }  // namespace relgen

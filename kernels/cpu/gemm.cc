@@ -10,7 +10,12 @@
 
 #include "kernels/cpu/bf16.h"
 
+#include <cpuid.h>
+
 namespace relgen::cpu {
+namespace bf16dot {
+void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end);
+}  // namespace bf16dot
 namespace {
 
 constexpr int kP = PackedMatrix::kPanel;
@@ -320,10 +325,27 @@ void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* 
   Run(Kernel(isa, w.type()), x, rows, w, bias, y, pool);
 }
 
-std::string GemmPathName(WeightType t) {
+std::string GemmPathName(WeightType t, bool bf16_inputs) {
   if (t == WeightType::kInt8) return std::string(Int8IsaName(SupportedInt8Isas().front())) + " int8 dot products";
+  if (t == WeightType::kBf16 && bf16_inputs && Bf16DotSupported()) return "avx512-bf16 bf16 dot products";
   const GemmIsa isa = SupportedGemmIsas().front();
-  return std::string(GemmIsaName(isa)) + (isa == GemmIsa::kBase ? " float32 multiply-adds" : " float32 FMA");
+  return std::string(GemmIsaName(isa)) + (isa == GemmIsa::kBase ? " float32 multiply-adds" : " float32 FMA") +
+         (bf16_inputs ? ", inputs rounded to bf16" : "");
+}
+
+bool Bf16DotSupported() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    // AVX-512 BF16: CPUID leaf 7, subleaf 1, EAX bit 5 (AVX-512 BW for the interleave).
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 5)) != 0;
+  }();
+  return supported;
+}
+
+void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool) {
+  Run(bf16dot::Panels, x, rows, w, bias, y, pool);
 }
 
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,

@@ -92,9 +92,15 @@ inline float Int8Epilogue(int32_t sum, float x_scale, float w_scale, const float
   return bias != nullptr ? __builtin_fmaf(static_cast<float>(sum), s, *bias) : static_cast<float>(sum) * s;
 }
 
-// What LinearPacked computes with for weights of type t on this CPU, e.g. "avx2 float32 FMA",
-// "avx512-vnni int8 dot products" (for the startup line).
-std::string GemmPathName(WeightType t);
+// bf16 weights times inputs rounded to bf16 (nearest even) with AVX-512 BF16's vdpbf16ps
+// (gemm_bf16.cc): the exact products of each pair of inputs added to a float32 sum, pair after
+// pair in k order, twice the arithmetic of float32 FMA. Where the CPU has the instructions.
+bool Bf16DotSupported();
+void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool);
+
+// What the projections compute with for weights of type t on this CPU, with the inputs rounded
+// to bf16 or not, e.g. "avx2 float32 FMA", "avx512-vnni int8 dot products" (the startup line).
+std::string GemmPathName(WeightType t, bool bf16_inputs = false);
 
 // y [rows, w.n()] = x [rows, w.k()] * W^T (+ bias [w.n()] when not null). `pool` may be null.
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,

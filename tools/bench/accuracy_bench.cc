@@ -63,13 +63,17 @@ struct Run {
 struct Precision {
   AccuracyWeights weights;
   cpu::KvType kv;
-  std::string WeightsName() const { return weights.mma ? "mma" : cpu::WeightTypeName(weights.type); }
+  std::string WeightsName() const {
+    if (weights.inputs == ProjectionInputs::kBf16) return "mma";
+    if (weights.inputs == ProjectionInputs::kBf16Dot) return "bf16-dot";
+    return cpu::WeightTypeName(weights.type);
+  }
   std::string Name() const { return WeightsName() + " / " + cpu::KvTypeName(kv); }
 };
 
 Run Make(const std::shared_ptr<const Model>& model, Precision p, int tokens, int threads) {
   const int bs = 16, blocks = (tokens + bs - 1) / bs;
-  Run r{*NewCpuBackend(model, KvCacheConfig{bs, blocks}, threads, p.weights.type, p.kv, p.weights.mma), {}};
+  Run r{*NewCpuBackend(model, KvCacheConfig{bs, blocks}, threads, p.weights.type, p.kv, p.weights.inputs), {}};
   for (int i = 0; i < blocks; ++i) r.table.push_back(i);
   return r;
 }
@@ -108,8 +112,8 @@ double LogSoftmaxAt(const float* x, int n, int target) {
 }  // namespace
 
 bool ParseAccuracyWeights(const std::string& name, AccuracyWeights* w) {
-  if (name == "mma") {
-    *w = {cpu::WeightType::kBf16, true};
+  if (name == "mma" || name == "bf16-dot") {
+    *w = {cpu::WeightType::kBf16, name == "mma" ? ProjectionInputs::kBf16 : ProjectionInputs::kBf16Dot};
     return true;
   }
   *w = {};

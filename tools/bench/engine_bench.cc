@@ -91,7 +91,7 @@ struct Result {
 // Encoder-decoder models: `context` is the encoder's input; the decoder starts from its start token
 // and decodes `steps` tokens against it (its own context is short), as a translation does.
 Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
-                 cpu::WeightType weights, cpu::KvType kv_type, const std::string& device,
+                 cpu::WeightType weights, cpu::KvType kv_type, bool bf16_activations, const std::string& device,
                  const std::string& cuda_gemm, int split_keys, bool batch_prefill) {
   const int bs = 16;
   const bool enc_dec = model->config().encoder_decoder;
@@ -100,7 +100,8 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
   Result r;
   std::unique_ptr<Backend> backend;
   if (device == "cpu") {
-    backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights, kv_type);
+    backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights, kv_type,
+                             bf16_activations ? ProjectionInputs::kBf16Dot : ProjectionInputs::kF32);
   } else {
     // The device's step buffers are sized at start for the largest step: here the whole batch's prefill.
     DeviceOptions o;
@@ -325,7 +326,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
     std::printf("repetition %d of %d\n", rep + 1, o.reps);
     std::fflush(stdout);
     for (Cell& c : cells) {
-      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type, o.device,
+      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type, o.bf16_activations, o.device,
                                  o.cuda_gemm, o.cuda_split_keys, o.batch_prefill);
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
@@ -395,6 +396,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
                                        {"cuda_split_keys", gpu ? json(o.cuda_split_keys) : json(nullptr)},
                                        {"threads", threads}, {"peer", peer ? peer_name : "none"},
                                        {"weights_dtype", cpu::WeightTypeName(o.weights)},
+                                       {"activations_dtype", o.bf16_activations ? "bf16" : "f32"},
                                        {"kv_cache_dtype", cpu::KvTypeName(o.kv_type)},
                                        {"repetitions", o.reps}, {"results", rows}}).dump(2);
   }

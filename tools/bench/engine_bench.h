@@ -25,6 +25,7 @@ struct EngineBenchOptions {
   std::string json_out;
   cpu::WeightType weights = cpu::WeightType::kF32;  // relgen's dense weights
   cpu::KvType kv_type = cpu::KvType::kF32;          // relgen's K/V cache
+  bool bf16_activations = false;  // CPU: projections' inputs rounded to bf16 (--activations_dtype bf16)
   // A `relgen-bench machine --json` file: the roofline's bounds, measured apart from this run.
   // Empty: this run's own probes (then the roofline is not independent of the run).
   std::string machine;

@@ -32,6 +32,7 @@ int Usage() {
                "                           [--reps 3] [--peer ct2|torch|none] [--peer_python PATH]\n"
                "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
                "                           [--weights_dtype f32|bf16|int8] [--kv_cache_dtype f32|bf16] [--machine FILE]\n"
+               "                           [--activations_dtype f32|bf16]   (cpu)\n"
                "                           [--device cpu|cuda[:N] [--device_GBps 3350] [--cuda_gemm invariant|cublas|mma]\n"
                "                           [--cuda_split_keys 128]]   (cuda: --peer torch|none) [--batch_prefill 1|0]\n"
                "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
@@ -43,7 +44,7 @@ int Usage() {
                "                          [--shared_prefix_len 0]   (tokens every synthetic prompt starts with)\n"
                "                          [--temperature 0.8] [--top_p 1] [--top_k 0]   (each request's sampling)\n"
                "                          [--json FILE] [--png FILE]\n"
-               "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,mma,int8] [--kv_cache_dtype f32,bf16]\n"
+               "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,mma,bf16-dot,int8] [--kv_cache_dtype f32,bf16]\n"
                "                             [--fortunes DIR] [--window 256]\n"
                "                             [--max_windows 0] [--greedy_tokens 1000] [--threads 0] [--json FILE]\n");
   return 64;
@@ -122,6 +123,7 @@ int main(int argc, char** argv) {
       else if (f == "--json") o.json_out = v;
       else if (f == "--weights_dtype") ok = relgen::cpu::ParseWeightType(v, &o.weights);
       else if (f == "--kv_cache_dtype") ok = relgen::cpu::ParseKvType(v, &o.kv_type);
+      else if (f == "--activations_dtype") ok = (o.bf16_activations = v == "bf16") || v == "f32";
       else if (f == "--machine") o.machine = v;
       else if (f == "--device") ok = (o.device = v) == "cpu" || v == "cuda" || v.rfind("cuda:", 0) == 0;
       else if (f == "--device_GBps") ok = absl::SimpleAtod(v, &o.device_gbps) && o.device_gbps > 0;
