@@ -8,7 +8,9 @@
 
 // vmath's wide helpers return vectors, but every call is inlined into a function of the matching
 // target in this file: no call crosses the ABI the warning is about.
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi"
+#else
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 #include "kernels/cpu/vmath.h"
