@@ -212,11 +212,18 @@ struct Int8Reference {
 };
 
 // Every int8 kernel this CPU runs gives the definition's bits for every row, whatever the number
-// of rows in the call, with and without a bias and a pool; depths not a multiple of 4 included.
+// of rows in the call, with and without a bias and a pool; depths not a multiple of 4 (or of 64,
+// the tile step) included.
 TEST(LinearTest, Int8KernelsComputeTheIntegerDefinitionExactly) {
   cpu::ThreadPool pool(2);
-  const std::vector<cpu::Int8Isa> isas = cpu::SupportedInt8Isas();
-  ASSERT_EQ(isas.back(), cpu::Int8Isa::kBase);
+  const std::vector<cpu::Int8Isa> supported = cpu::SupportedInt8Isas();
+  ASSERT_EQ(supported.back(), cpu::Int8Isa::kBase);
+  std::vector<cpu::Int8Isa> isas = supported;
+  // The AMX kernel's blocking (16-row tiles, 64-byte steps and a shorter last one, pairs of panels)
+  // with its tile instructions in C++, wherever AVX-512 VNNI runs.
+  if (std::find(isas.begin(), isas.end(), cpu::Int8Isa::kAvx512Vnni) != isas.end()) {
+    isas.push_back(cpu::Int8Isa::kAmxEmulated);
+  }
   for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{513, 1536}, std::pair{6, 33}}) {
     const std::vector<float> w = Random(size_t(in) * out, 11), b = Random(out, 12);
     const Int8Reference ref(w, out, in);
@@ -261,7 +268,7 @@ TEST(LinearTest, Int8KernelsComputeTheIntegerDefinitionExactly) {
   std::vector<float> x = Random(2 * 64, 9);
   const cpu::PackedMatrix packed(w.data(), 48, 64, cpu::WeightType::kInt8);
   std::vector<float> best(2 * 48), dflt(2 * 48);
-  cpu::LinearInt8(x.data(), 2, packed, nullptr, best.data(), nullptr, isas.front());
+  cpu::LinearInt8(x.data(), 2, packed, nullptr, best.data(), nullptr, supported.front());
   cpu::LinearPacked(x.data(), 2, packed, nullptr, dflt.data(), nullptr);
   EXPECT_EQ(std::memcmp(best.data(), dflt.data(), best.size() * sizeof(float)), 0);
   x[70] = INFINITY;

@@ -75,10 +75,12 @@ enum class GemmIsa { kAvx512, kAvx2, kBase };
 std::vector<GemmIsa> SupportedGemmIsas();  // best first
 const char* GemmIsaName(GemmIsa isa);
 
-// The int8 kernels, by the instructions their dot products take: AVX-512 VNNI (vpdpbusd on 64
-// bytes), AVX-VNNI (the same on 32), AVX2 (vpsignb + vpmaddubsw + vpmaddwd, exact because no
-// operand is -128), and plain C++. All compute the same integers.
-enum class Int8Isa { kAvx512Vnni, kAvxVnni, kAvx2, kBase };
+// The int8 kernels, by the instructions their dot products take: AMX-INT8 (tdpbusd on tiles of 16
+// rows, the rest of the rows on AVX-512 VNNI), AVX-512 VNNI (vpdpbusd on 64 bytes), AVX-VNNI (the
+// same on 32), AVX2 (vpsignb + vpmaddubsw + vpmaddwd, exact because no operand is -128), and plain
+// C++. All compute the same integers. kAmxEmulated is the AMX kernel with its tile instructions
+// written in C++ (tests; runs where AVX-512 VNNI does); SupportedInt8Isas never lists it.
+enum class Int8Isa { kAmx, kAvx512Vnni, kAvxVnni, kAvx2, kBase, kAmxEmulated };
 std::vector<Int8Isa> SupportedInt8Isas();  // best first
 const char* Int8IsaName(Int8Isa isa);
 

@@ -2,6 +2,8 @@
 #include "kernels/cpu/gemm_int8.h"
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <vector>
 
@@ -11,12 +13,31 @@ namespace relgen::cpu {
 
 float QuantizeRow(const float* x, int k, int padded, int8_t* q) { return int8::base::QuantizeRow(x, k, padded, q); }
 
+namespace {
+// AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24 and 25), and Linux's leave to use the tile data
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, kernels from 5.16), asked once.
+bool AmxUsable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || (d & (1u << 24)) == 0 || (d & (1u << 25)) == 0) return false;
+#if defined(__linux__)
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
+}  // namespace
+
 std::vector<Int8Isa> SupportedInt8Isas() {
   __builtin_cpu_init();
   std::vector<Int8Isa> isas;
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni")) {
+    if (AmxUsable()) isas.push_back(Int8Isa::kAmx);
     isas.push_back(Int8Isa::kAvx512Vnni);
   }
   // AVX-VNNI: CPUID leaf 7, subleaf 1, EAX bit 4 (not every compiler's __builtin_cpu_supports names it).
@@ -31,6 +52,8 @@ std::vector<Int8Isa> SupportedInt8Isas() {
 
 const char* Int8IsaName(Int8Isa isa) {
   switch (isa) {
+    case Int8Isa::kAmx: return "amx-int8";
+    case Int8Isa::kAmxEmulated: return "amx-int8 (emulated)";
     case Int8Isa::kAvx512Vnni: return "avx512-vnni";
     case Int8Isa::kAvxVnni: return "avx-vnni";
     case Int8Isa::kAvx2: return "avx2";
@@ -54,6 +77,14 @@ void LinearInt8(const float* x, int rows, const PackedMatrix& w, const float* bi
   float (*quantize_row)(const float*, int, int, int8_t*) = int8::base::QuantizeRow;
   void (*panels)(const int8::Job&, int, int) = int8::base::Panels;
   switch (isa) {
+    case Int8Isa::kAmx:
+      quantize_row = int8::amx::QuantizeRow;
+      panels = int8::amx::Panels;
+      break;
+    case Int8Isa::kAmxEmulated:
+      quantize_row = int8::amx_emulated::QuantizeRow;
+      panels = int8::amx_emulated::Panels;
+      break;
     case Int8Isa::kAvx512Vnni:
       quantize_row = int8::avx512vnni::QuantizeRow;
       panels = int8::avx512vnni::Panels;

@@ -22,6 +22,8 @@ struct Job {
   void Panels(const Job& job, int p_begin, int p_end); \
   float QuantizeRow(const float* x, int k, int padded, int8_t* q); /* q + 128 for a VNNI kernel */ \
   }
+RELGEN_INT8_DECLARE(amx)
+RELGEN_INT8_DECLARE(amx_emulated)
 RELGEN_INT8_DECLARE(avx512vnni)
 RELGEN_INT8_DECLARE(avxvnni)
 RELGEN_INT8_DECLARE(avx2)

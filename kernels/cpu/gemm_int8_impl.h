@@ -6,6 +6,11 @@
 #endif
 
 // RELGEN_INT8_DOT: 0 plain C++, 1 AVX2 (sign + maddubs + madd), 2 AVX-VNNI, 3 AVX-512 VNNI.
+// RELGEN_INT8_AMX (with DOT 3): 1 AMX-INT8 tiles for whole 16-row blocks, 2 the same with the tile
+// instructions emulated in C++ (tests).
+#ifndef RELGEN_INT8_AMX
+#define RELGEN_INT8_AMX 0
+#endif
 #if RELGEN_INT8_DOT == 2 || RELGEN_INT8_DOT == 3
 #define RELGEN_INT8_UNSIGNED 1  // vpdpbusd takes unsigned inputs: q + 128, the offsets taken back
 #else
@@ -124,13 +129,11 @@ __attribute__((always_inline)) inline void Dots(const int8_t* q, int ldq, const 
 #endif
 }
 
-// R rows x P panels from panel p, scaled into y.
+// Sums [R][P * 16] of rows r.. and panels p.. scaled into y.
 template <int R, int P>
-__attribute__((always_inline)) inline void Block(const Job& j, int r, int p) {
+__attribute__((always_inline)) inline void Scale(const Job& j, int r, int p, const int32_t* sums) {
   const PackedMatrix& w = *j.w;
-  const int k4 = w.padded_k(), n = w.n();
-  int32_t sums[R * P * kP];
-  Dots<R, P>(j.q + int64_t{r} * k4, k4, static_cast<const int8_t*>(w.panel(p)), int64_t{k4} * kP, k4, sums);
+  const int n = w.n();
   const int c0 = p * kP;
   const int ncols = n - c0 < P * kP ? n - c0 : P * kP;
   const float* ws = w.scales() + c0;
@@ -176,6 +179,16 @@ __attribute__((always_inline)) inline void Block(const Job& j, int r, int p) {
   }
 }
 
+// R rows x P panels from panel p, scaled into y.
+template <int R, int P>
+__attribute__((always_inline)) inline void Block(const Job& j, int r, int p) {
+  const PackedMatrix& w = *j.w;
+  const int k4 = w.padded_k();
+  int32_t sums[R * P * kP];
+  Dots<R, P>(j.q + int64_t{r} * k4, k4, static_cast<const int8_t*>(w.panel(p)), int64_t{k4} * kP, k4, sums);
+  Scale<R, P>(j, r, p, sums);
+}
+
 template <int R>
 __attribute__((always_inline)) inline void Tail(const Job& j, int left, int r, int p) {
   if constexpr (R > 0) {
@@ -186,6 +199,127 @@ __attribute__((always_inline)) inline void Tail(const Job& j, int left, int r, i
     }
   }
 }
+
+#if RELGEN_INT8_AMX
+// AMX-INT8: tiles of 16 rows x 64 bytes. The int8 panels are already its B operand ([k/4][16][4],
+// 64-byte rows), and tdpbusd takes the same unsigned inputs as vpdpbusd, so the sums (and the
+// offsets taken back) are the VNNI kernel's exactly: rows outside whole 16-row blocks go to it.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
+
+#if RELGEN_INT8_AMX == 1
+// The intrinsics name their tile registers by literal numbers (GCC's paste them into the
+// instruction), hence macros rather than templates.
+struct Tiles {
+  void Configure(const TileConfig& c) { _tile_loadconfig(&c); }
+  ~Tiles() { _tile_release(); }
+};
+#define RELGEN_TILE_ZERO(t, n) _tile_zero(n)
+#define RELGEN_TILE_LOAD(t, n, p, stride) _tile_loadd(n, p, stride)
+#define RELGEN_TILE_DOT(t, c, a, b) _tile_dpbusd(c, a, b)
+#define RELGEN_TILE_STORE(t, n, p, stride) _tile_stored(n, p, stride)
+#else
+// The tile instructions written in C++, as the ISA defines them: the blocking below is tested on
+// CPUs without AMX through these.
+struct Tiles {
+  TileConfig cfg;
+  alignas(64) uint8_t t[8][16][64];
+  void Configure(const TileConfig& c) { cfg = c; }
+  template <int T> void Zero() { __builtin_memset(t[T], 0, sizeof t[T]); }
+  template <int T> void Load(const void* p, int stride) {
+    for (int r = 0; r < cfg.rows[T]; ++r) __builtin_memcpy(t[T][r], static_cast<const char*>(p) + r * stride, cfg.colsb[T]);
+  }
+  template <int C, int A, int B> void Dot() {
+    for (int m = 0; m < cfg.rows[A]; ++m) {
+      for (int n = 0; n < cfg.colsb[B] / 4; ++n) {
+        int32_t acc;
+        __builtin_memcpy(&acc, &t[C][m][4 * n], 4);
+        for (int k = 0; k < cfg.colsb[A] / 4; ++k) {
+          for (int i = 0; i < 4; ++i) {
+            acc += int32_t{t[A][m][4 * k + i]} * int32_t{static_cast<int8_t>(t[B][k][4 * n + i])};
+          }
+        }
+        __builtin_memcpy(&t[C][m][4 * n], &acc, 4);
+      }
+    }
+  }
+  template <int T> void Store(void* p, int stride) {
+    for (int r = 0; r < cfg.rows[T]; ++r) __builtin_memcpy(static_cast<char*>(p) + r * stride, t[T][r], cfg.colsb[T]);
+  }
+};
+#define RELGEN_TILE_ZERO(t, n) t.Zero<n>()
+#define RELGEN_TILE_LOAD(t, n, p, stride) t.Load<n>(p, stride)
+#define RELGEN_TILE_DOT(t, c, a, b) t.Dot<c, a, b>()
+#define RELGEN_TILE_STORE(t, n, p, stride) t.Store<n>(p, stride)
+#endif
+
+// Whole 16-row blocks of rows [r0, r1) over panels [p_begin, p_end), two panels at a time (tiles 0
+// and 1 the sums, 2-4 a 64-byte step of inputs and weights, 5-7 the last step when k4 is not a
+// multiple of 64). Returns the first row left.
+int AmxRows(const Job& j, int r0, int r1, int p_begin, int p_end) {
+  const int blocks = (r1 - r0) / 16;
+  if (blocks == 0) return r0;
+  const PackedMatrix& w = *j.w;
+  const int k4 = w.padded_k(), tail = k4 % 64, main = k4 - tail;
+  TileConfig c;
+  for (int t : {0, 1, 2, 3, 4}) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  if (tail > 0) {
+    c.rows[5] = 16;
+    c.colsb[5] = static_cast<uint16_t>(tail);
+    c.rows[6] = c.rows[7] = static_cast<uint8_t>(tail / 4);
+    c.colsb[6] = c.colsb[7] = 64;
+  }
+  Tiles t;
+  t.Configure(c);
+  alignas(64) int32_t sums[16 * 2 * kP];
+  for (int p = p_begin; p < p_end; p += 2) {
+    const bool two = p + 1 < p_end;
+    const int8_t* b0 = static_cast<const int8_t*>(w.panel(p));
+    const int8_t* b1 = two ? static_cast<const int8_t*>(w.panel(p + 1)) : b0;
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int r = r0 + 16 * blk;
+      const int8_t* a = j.q + int64_t{r} * k4;
+      RELGEN_TILE_ZERO(t, 0);
+      RELGEN_TILE_ZERO(t, 1);
+      for (int kk = 0; kk < main; kk += 64) {
+        RELGEN_TILE_LOAD(t, 2, a + kk, k4);
+        RELGEN_TILE_LOAD(t, 3, b0 + int64_t{kk} * kP, 64);
+        RELGEN_TILE_DOT(t, 0, 2, 3);
+        if (two) {
+          RELGEN_TILE_LOAD(t, 4, b1 + int64_t{kk} * kP, 64);
+          RELGEN_TILE_DOT(t, 1, 2, 4);
+        }
+      }
+      if (tail > 0) {
+        RELGEN_TILE_LOAD(t, 5, a + main, k4);
+        RELGEN_TILE_LOAD(t, 6, b0 + int64_t{main} * kP, 64);
+        RELGEN_TILE_DOT(t, 0, 5, 6);
+        if (two) {
+          RELGEN_TILE_LOAD(t, 7, b1 + int64_t{main} * kP, 64);
+          RELGEN_TILE_DOT(t, 1, 5, 7);
+        }
+      }
+      if (two) {
+        RELGEN_TILE_STORE(t, 0, sums, 2 * kP * 4);
+        RELGEN_TILE_STORE(t, 1, sums + kP, 2 * kP * 4);
+        Scale<16, 2>(j, r, p, sums);
+      } else {
+        RELGEN_TILE_STORE(t, 0, sums, kP * 4);
+        Scale<16, 1>(j, r, p, sums);
+      }
+    }
+  }
+  return r0 + 16 * blocks;
+}
+#endif
 
 #if RELGEN_INT8_DOT == 3
 constexpr int kRows = 8, kDecodePanels = 4, kPanels = 2;
@@ -199,8 +333,14 @@ constexpr int kRows = 2, kDecodePanels = 1, kPanels = 1;
 
 void Panels(const Job& j, int p_begin, int p_end) {
   const int n = j.w->n();
-  for (int r0 = 0; r0 < j.rows; r0 += kRowChunk) {
-    const int r1 = j.rows < r0 + kRowChunk ? j.rows : r0 + kRowChunk;
+  for (int chunk = 0; chunk < j.rows; chunk += kRowChunk) {
+    const int r1 = j.rows < chunk + kRowChunk ? j.rows : chunk + kRowChunk;
+#if RELGEN_INT8_AMX
+    const int r0 = AmxRows(j, chunk, r1, p_begin, p_end);
+    if (r0 == r1) continue;
+#else
+    const int r0 = chunk;
+#endif
     int p = p_begin;
     if (r1 - r0 == 1) {
       // One row (decode at batch 1): several whole panels per pass, for independent chains.
@@ -227,3 +367,8 @@ float QuantizeRow(const float* x, int k, int padded, int8_t* q) { return Quantiz
 }  // namespace relgen::cpu::int8::RELGEN_INT8_ISA
 
 #undef RELGEN_INT8_UNSIGNED
+#undef RELGEN_INT8_AMX
+#undef RELGEN_TILE_ZERO
+#undef RELGEN_TILE_LOAD
+#undef RELGEN_TILE_DOT
+#undef RELGEN_TILE_STORE
