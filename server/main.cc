@@ -33,8 +33,8 @@
 #include "absl/time/clock.h"
 #include "engine/backends/cpu_backend.h"
 #include "engine/backends/device.h"
-#include "kernels/cpu/gemm.h"
 #include "engine/core/engine.h"
+#include "kernels/cpu/gemm.h"
 #include "server/http_listener.h"
 #include "server/metrics.h"
 #include "server/openai_api.h"
@@ -60,8 +60,9 @@ ABSL_FLAG(int32_t, threads, 0, "CPU threads for the model (0: all)");
 ABSL_FLAG(std::string, weights_dtype, "auto",
           "how the backend stores the dense layers' weights: auto (on a GPU bf16; on the CPU bf16 for a bf16 checkpoint, "
           "else f32), f32, bf16 "
-          "(half the bytes) or, on the CPU, int8 (a quarter; per-output-channel scales); arithmetic stays float32. "
-          "docs/benchmarks.md gives each one's accuracy");
+          "(half the bytes) or, on the CPU, int8 (a quarter; per-output-channel scales). f32 and bf16 multiply in float32; "
+          "int8 quantises each projection's input row and multiplies in integers. docs/benchmarks.md gives each one's "
+          "accuracy");
 ABSL_FLAG(std::string, activations_dtype, "f32",
           "the CPU projections' inputs: f32, or bf16 (rounded to nearest even first; with bf16 weights multiplied by "
           "AVX-512 BF16 dot products where the CPU has them: twice the arithmetic, the accuracy in docs/benchmarks.md)");

@@ -296,7 +296,9 @@ class CompletionsTest(OpenAIApiTestCase):
                 unary = self.complete(prompt, max_tokens=24, temperature=0, logprobs=2)
                 chunks = self.stream(prompt, max_tokens=24, temperature=0, logprobs=2,
                                      stream_options={"include_usage": True})
-                self.assertGreater(len(chunks), 2)  # some text chunks and the usage chunk
+                # Text chunks, then the usage chunk. How many text chunks depends on how far the
+                # engine runs ahead of the writer (it may deliver every token before the first write).
+                self.assertGreaterEqual(len(chunks), 2)
                 self.assert_stream_equals(chunks, unary)
                 plain = self.stream(prompt, max_tokens=24, temperature=0)
                 self.assert_stream_equals(plain, self.complete(prompt, max_tokens=24, temperature=0),
