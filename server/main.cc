@@ -65,7 +65,8 @@ ABSL_FLAG(std::string, weights_dtype, "auto",
           "accuracy");
 ABSL_FLAG(std::string, activations_dtype, "f32",
           "the CPU projections' inputs: f32, or bf16 (rounded to nearest even first; with bf16 weights multiplied by "
-          "AVX-512 BF16 dot products where the CPU has them: twice the arithmetic, the accuracy in docs/benchmarks.md)");
+          "AMX-BF16 tiles or AVX-512 BF16 dot products where the CPU has them: twice the arithmetic, the accuracy in "
+          "docs/benchmarks.md)");
 ABSL_FLAG(std::string, kv_cache_dtype, "auto",
           "how the K/V cache is stored (CPU and CUDA): auto (on a GPU bf16; on the CPU bf16 for a bf16 checkpoint, else "
           "f32), f32, or bf16 "

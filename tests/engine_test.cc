@@ -706,7 +706,7 @@ TEST(DeviceWeightsTest, AutoFollowsTheCheckpointsType) {
 }
 
 // --activations_dtype bf16 (CPU): every projection's input rounded to bf16 (with bf16 weights,
-// AVX-512 BF16 dot products where the CPU has them): the logits move from the float32-input ones,
+// AMX-BF16 or AVX-512 BF16 dot products where the CPU has them): the logits move from the float32-input ones,
 // a sequence's logits are the same bits alone and beside another, prefill in one step or in two.
 // A GPU refuses it, naming its own way.
 TEST(DeviceWeightsTest, Bf16ActivationsTakeEffectAndStayBatchInvariant) {

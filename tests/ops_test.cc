@@ -140,36 +140,88 @@ TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
   EXPECT_EQ(std::memcmp(best.data(), dflt.data(), best.size() * sizeof(float)), 0);
 }
 
-// The bf16 dot kernel (where the CPU has AVX-512 BF16): every row against float64 on the rounded
-// operands (inputs and weights each rounded to bf16, nearest even), bitwise the same whatever the
-// number of rows in the call; odd depths included.
+// The bf16 dot kernels (those this CPU has, and AMX's emulated on any): every row against float64
+// on the rounded operands (inputs and weights each rounded to bf16, nearest even), bitwise the same
+// whatever the number of rows in the call; odd depths included.
 TEST(LinearTest, Bf16DotMatchesFloat64OnTheRoundedOperands) {
-  if (!cpu::Bf16DotSupported()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
   cpu::ThreadPool pool(2);
-  for (auto [in, out] : {std::pair{320, 700}, std::pair{64, 96}, std::pair{37, 5}, std::pair{513, 1536}}) {
-    const std::vector<float> w = Random(size_t(in) * out, 31), b = Random(out, 32);
-    const cpu::PackedMatrix packed(w.data(), out, in, cpu::WeightType::kBf16);
-    for (int rows : {1, 2, 3, 9, 17, 130}) {
-      const std::vector<float> x = Random(size_t(rows) * in, 200 + rows);
-      std::vector<float> all(size_t(rows) * out), one(out);
-      cpu::LinearBf16Dot(x.data(), rows, packed, b.data(), all.data(), &pool);
-      double moved = 0;  // from the float32-input product: the inputs' rounding in effect
-      for (int r = 0; r < rows; ++r) {
-        cpu::LinearBf16Dot(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr);
-        ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0) << "row " << r;
-        for (int o = 0; o < out; ++o) {
-          double acc = 0, exact_x = 0, mag = 0;
-          for (int i = 0; i < in; ++i) {
-            const double wi = testing::Bf16Value(w[size_t(o) * in + i]), xi = x[size_t(r) * in + i];
-            acc += testing::Bf16Value(float(xi)) * wi;
-            exact_x += xi * wi;
-            mag += std::fabs(xi * wi);
+  std::vector<cpu::Bf16Isa> isas = cpu::SupportedBf16Isas();
+  isas.push_back(cpu::Bf16Isa::kAmxEmulated);
+  for (cpu::Bf16Isa isa : isas) {
+    SCOPED_TRACE(cpu::Bf16IsaName(isa));
+    const bool emulated = isa == cpu::Bf16Isa::kAmxEmulated;  // scalar tiles: smaller shapes
+    const std::vector<std::pair<int, int>> shapes =
+        emulated ? std::vector<std::pair<int, int>>{{320, 70}, {64, 96}, {37, 5}, {513, 40}}
+                 : std::vector<std::pair<int, int>>{{320, 700}, {64, 96}, {37, 5}, {513, 1536}};
+    for (auto [in, out] : shapes) {
+      const std::vector<float> w = Random(size_t(in) * out, 31), b = Random(out, 32);
+      const cpu::PackedMatrix packed(w.data(), out, in, cpu::WeightType::kBf16);
+      for (int rows : {1, 2, 3, 9, 17, 130}) {
+        const std::vector<float> x = Random(size_t(rows) * in, 200 + rows);
+        std::vector<float> all(size_t(rows) * out), one(out);
+        cpu::LinearBf16Dot(x.data(), rows, packed, b.data(), all.data(), &pool, isa);
+        double moved = 0;  // from the float32-input product: the inputs' rounding in effect
+        for (int r = 0; r < rows; ++r) {
+          cpu::LinearBf16Dot(x.data() + size_t(r) * in, 1, packed, b.data(), one.data(), nullptr, isa);
+          ASSERT_EQ(std::memcmp(one.data(), all.data() + size_t(r) * out, out * sizeof(float)), 0) << "row " << r;
+          for (int o = 0; o < out; ++o) {
+            double acc = 0, exact_x = 0, mag = 0;
+            for (int i = 0; i < in; ++i) {
+              const double wi = testing::Bf16Value(w[size_t(o) * in + i]), xi = x[size_t(r) * in + i];
+              acc += testing::Bf16Value(float(xi)) * wi;
+              exact_x += xi * wi;
+              mag += std::fabs(xi * wi);
+            }
+            ASSERT_NEAR(one[o], acc + b[o], 2e-6 * (mag + std::fabs(b[o])) + 1e-6) << in << "->" << out << " " << r << "," << o;
+            moved = std::max(moved, std::fabs(acc - exact_x));
           }
-          ASSERT_NEAR(one[o], acc + b[o], 2e-6 * (mag + std::fabs(b[o])) + 1e-6) << in << "->" << out << " " << r << "," << o;
-          moved = std::max(moved, std::fabs(acc - exact_x));
+        }
+        EXPECT_GT(moved, 0);
+      }
+    }
+  }
+  // The engine's kernel is the best one.
+  if (!cpu::Bf16DotSupported()) return;
+  const std::vector<float> w = Random(64 * 48, 8), x = Random(5 * 64, 9);
+  const cpu::PackedMatrix packed(w.data(), 48, 64, cpu::WeightType::kBf16);
+  std::vector<float> best(5 * 48), dflt(5 * 48);
+  cpu::LinearBf16Dot(x.data(), 5, packed, nullptr, best.data(), nullptr, cpu::SupportedBf16Isas().front());
+  cpu::LinearBf16Dot(x.data(), 5, packed, nullptr, dflt.data(), nullptr);
+  EXPECT_EQ(std::memcmp(best.data(), dflt.data(), best.size() * sizeof(float)), 0);
+}
+
+// The AMX-BF16 kernel's blocking, bitwise, against tdpbf16ps's definition applied here to whole
+// rows: k zero-padded to steps of 32 values; per step and output, the even-indexed and the
+// odd-indexed products each summed in a float32 FMA chain from zero, the two chains added, that
+// added to the output's sum; the bias added last. (Random normal data: no denormals to flush.)
+TEST(LinearTest, AmxBf16BlockingComputesTheTileDefinition) {
+  cpu::ThreadPool pool(2);
+  for (auto [in, out] : {std::pair{37, 5}, std::pair{64, 33}, std::pair{100, 48}, std::pair{161, 17}}) {
+    const std::vector<float> w = Random(size_t(in) * out, 41), b = Random(out, 42);
+    const cpu::PackedMatrix packed(w.data(), out, in, cpu::WeightType::kBf16);
+    for (int rows : {1, 15, 16, 17, 40, 129}) {
+      for (bool with_bias : {true, false}) {
+        const std::vector<float> x = Random(size_t(rows) * in, 300 + rows);
+        std::vector<float> y(size_t(rows) * out);
+        cpu::LinearBf16Dot(x.data(), rows, packed, with_bias ? b.data() : nullptr, y.data(), rows > 16 ? &pool : nullptr,
+                           cpu::Bf16Isa::kAmxEmulated);
+        for (int r = 0; r < rows; ++r) {
+          for (int o = 0; o < out; ++o) {
+            float sum = 0;
+            for (int s = 0; s < in; s += 32) {
+              float chain[2] = {0, 0};
+              for (int i = s; i < s + 32; ++i) {
+                const float xi = i < in ? float(testing::Bf16Value(x[size_t(r) * in + i])) : 0.0f;
+                const float wi = i < in ? float(testing::Bf16Value(w[size_t(o) * in + i])) : 0.0f;
+                chain[i % 2] = std::fma(xi, wi, chain[i % 2]);
+              }
+              sum = sum + (chain[0] + chain[1]);
+            }
+            if (with_bias) sum = sum + b[o];
+            ASSERT_EQ(y[size_t(r) * out + o], sum) << in << "->" << out << " rows " << rows << " row " << r << " out " << o;
+          }
         }
       }
-      EXPECT_GT(moved, 0);
     }
   }
 }

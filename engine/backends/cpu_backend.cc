@@ -221,7 +221,7 @@ class CpuBackend final : public Backend {
   // Encodes the input of every step that carries one and writes each decoder layer's cross K/V.
   void Encode(absl::Span<const SequenceStep> steps);
   void Linear(const float* x, int rows, const cpu::PackedMatrix& w, const float* bias, float* y) {
-    if (bf16_dot_ && w.type() == cpu::WeightType::kBf16) {
+    if (bf16_dot_) {
       cpu::LinearBf16Dot(x, rows, w, bias, y, &pool_);  // rounds the inputs itself
       return;
     }
@@ -254,7 +254,7 @@ class CpuBackend final : public Backend {
   cpu::WeightType weight_type_;
   cpu::KvType kv_type_;
   bool bf16_activations_;
-  bool bf16_dot_;  // bf16 inputs x bf16 weights through AVX-512 BF16 dot products
+  bool bf16_dot_;  // bf16 inputs x bf16 weights through AMX-BF16 or AVX-512 BF16 dot products
   int64_t layer_bytes_ = 0;
   KvPool k_pool_, v_pool_;
   bool pool_ok_ = false;

@@ -28,7 +28,7 @@ absl::StatusOr<int> CpuKvBlocks(const ModelConfig& config, int64_t tokens, doubl
 // (nearest even) first, the lm_head input scale applied to the product: the arithmetic of the CUDA
 // backend's tensor cores (with bf16 weights every product is exact in float32, so only the order of
 // the float32 sums differs), their CPU twin. kBf16Dot: rounded likewise, and with bf16 weights on a
-// CPU with AVX-512 BF16 multiplied by its dot products (cpu::LinearBf16Dot: a pair of products per
+// CPU with AMX-BF16 or AVX-512 BF16 multiplied by bf16 dot products (cpu::LinearBf16Dot: pairs of products per
 // float32 addition, twice the arithmetic); elsewhere the same as kBf16.
 enum class ProjectionInputs { kF32, kBf16, kBf16Dot };
 

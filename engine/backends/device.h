@@ -24,8 +24,8 @@ struct DeviceOptions {
   // Dense weights: f32, bf16, on the CPU int8, or auto (ResolveDeviceOptions).
   std::string weights_dtype = "auto";
   std::string kv_cache_dtype = "auto";  // K/V cache elements: f32, bf16 or auto (ResolveDeviceOptions)
-  // CPU projections' inputs: f32, or bf16 (rounded first; with bf16 weights AVX-512 BF16 dot
-  // products where the CPU has them: ProjectionInputs::kBf16Dot).
+  // CPU projections' inputs: f32, or bf16 (rounded first; with bf16 weights AMX-BF16 or
+  // AVX-512 BF16 dot products where the CPU has them: ProjectionInputs::kBf16Dot).
   std::string activations_dtype = "f32";
   // CUDA projections: "invariant" (relgen's kernel, float32 arithmetic, rows batch invariant),
   // "cublas" (CudaOptions::cublas_gemms), "mma" (tensor cores over bf16 weights,

@@ -11,11 +11,18 @@
 #include "kernels/cpu/bf16.h"
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace relgen::cpu {
-namespace bf16dot {
-void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end);
-}  // namespace bf16dot
+#define RELGEN_BF16_PANELS(ns) \
+  namespace ns {                \
+  void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end); \
+  }
+RELGEN_BF16_PANELS(bf16dot)
+RELGEN_BF16_PANELS(bf16amx)
+RELGEN_BF16_PANELS(bf16amx_emulated)
+#undef RELGEN_BF16_PANELS
 namespace {
 
 constexpr int kP = PackedMatrix::kPanel;
@@ -327,25 +334,70 @@ void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* 
 
 std::string GemmPathName(WeightType t, bool bf16_inputs) {
   if (t == WeightType::kInt8) return std::string(Int8IsaName(SupportedInt8Isas().front())) + " int8 dot products";
-  if (t == WeightType::kBf16 && bf16_inputs && Bf16DotSupported()) return "avx512-bf16 bf16 dot products";
+  if (t == WeightType::kBf16 && bf16_inputs && Bf16DotSupported()) {
+    const Bf16Isa isa = SupportedBf16Isas().front();
+    return std::string(Bf16IsaName(isa)) + (isa == Bf16Isa::kAvx512Bf16 ? " bf16 dot products" : " bf16 tiles");
+  }
   const GemmIsa isa = SupportedGemmIsas().front();
   return std::string(GemmIsaName(isa)) + (isa == GemmIsa::kBase ? " float32 multiply-adds" : " float32 FMA") +
          (bf16_inputs ? ", inputs rounded to bf16" : "");
 }
 
-bool Bf16DotSupported() {
-  static const bool supported = [] {
-    __builtin_cpu_init();
-    // AVX-512 BF16: CPUID leaf 7, subleaf 1, EAX bit 5 (AVX-512 BW for the interleave).
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 5)) != 0;
+bool AmxUsable(int edx_bit) {
+  // AMX-TILE is CPUID leaf 7 EDX bit 24.
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || (d & (1u << 24)) == 0 || (d & (1u << edx_bit)) == 0) return false;
+#if defined(__linux__)
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();
+  return permitted;
+#else
+  return false;
+#endif
+}
+
+std::vector<Bf16Isa> SupportedBf16Isas() {
+  __builtin_cpu_init();
+  std::vector<Bf16Isa> isas;
+  if (AmxUsable(22)) isas.push_back(Bf16Isa::kAmx);
+  // AVX-512 BF16: CPUID leaf 7, subleaf 1, EAX bit 5 (AVX-512 BW for the interleave).
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 5)) != 0) {
+    isas.push_back(Bf16Isa::kAvx512Bf16);
+  }
+  return isas;
+}
+
+const char* Bf16IsaName(Bf16Isa isa) {
+  switch (isa) {
+    case Bf16Isa::kAmx: return "amx-bf16";
+    case Bf16Isa::kAmxEmulated: return "amx-bf16 (emulated)";
+    case Bf16Isa::kAvx512Bf16: break;
+  }
+  return "avx512-bf16";
+}
+
+bool Bf16DotSupported() {
+  static const bool supported = !SupportedBf16Isas().empty();
   return supported;
 }
 
+void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool,
+                   Bf16Isa isa) {
+  switch (isa) {
+    case Bf16Isa::kAmx: Run(bf16amx::Panels, x, rows, w, bias, y, pool); return;
+    case Bf16Isa::kAmxEmulated: Run(bf16amx_emulated::Panels, x, rows, w, bias, y, pool); return;
+    case Bf16Isa::kAvx512Bf16: Run(bf16dot::Panels, x, rows, w, bias, y, pool); return;
+  }
+}
+
 void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool) {
-  Run(bf16dot::Panels, x, rows, w, bias, y, pool);
+  // Chosen once per process, so every row of a run takes the same arithmetic.
+  static const Bf16Isa isa = SupportedBf16Isas().front();
+  LinearBf16Dot(x, rows, w, bias, y, pool, isa);
 }
 
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,

@@ -84,21 +84,30 @@ enum class Int8Isa { kAmx, kAvx512Vnni, kAvxVnni, kAvx2, kBase, kAmxEmulated };
 std::vector<Int8Isa> SupportedInt8Isas();  // best first
 const char* Int8IsaName(Int8Isa isa);
 
-// One input row quantised for the int8 kernels: amax = max |x|; scale = amax / 127 and
-// q[i] = round-to-nearest-even(x[i] * (127 / amax)) in [-127, 127]; q is zero-padded to `padded`.
-// A zero row has scale 0; a row holding an infinity or NaN has scale NaN (its outputs are NaN).
-float QuantizeRow(const float* x, int k, int padded, int8_t* q);
 // An int8 output: float(sum) * (x_scale * w_scale), plus the bias in one rounding when present.
 inline float Int8Epilogue(int32_t sum, float x_scale, float w_scale, const float* bias) {
   const float s = x_scale * w_scale;
   return bias != nullptr ? __builtin_fmaf(static_cast<float>(sum), s, *bias) : static_cast<float>(sum) * s;
 }
 
-// bf16 weights times inputs rounded to bf16 (nearest even) with AVX-512 BF16's vdpbf16ps
-// (gemm_bf16.cc): the exact products of each pair of inputs added to a float32 sum, pair after
-// pair in k order, twice the arithmetic of float32 FMA. Where the CPU has the instructions.
-bool Bf16DotSupported();
+// bf16 weights times inputs rounded to bf16 (nearest even), float32 sums. kAmx: AMX-BF16's
+// tdpbf16ps on 16-row tiles (gemm_bf16_amx_impl.h; every row on tiles, 32 k values a step: per
+// output two float32 chains, the even and the odd products, added at the end of each step).
+// kAvx512Bf16: vdpbf16ps (gemm_bf16.cc), the exact products of each pair of inputs added to a
+// float32 sum, pair after pair in k order. Each is twice the arithmetic of float32 FMA; the two
+// round differently, and one is chosen per process. kAmxEmulated is the AMX kernel with its tile
+// instructions written in C++ (tests; runs on any CPU); SupportedBf16Isas never lists it.
+enum class Bf16Isa { kAmx, kAvx512Bf16, kAmxEmulated };
+std::vector<Bf16Isa> SupportedBf16Isas();  // best first; empty where the CPU has neither
+const char* Bf16IsaName(Bf16Isa isa);
+bool Bf16DotSupported();  // SupportedBf16Isas() is not empty
 void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool);
+// With a given kernel (tests; `isa` must be supported or emulated).
+void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool,
+                   Bf16Isa isa);
+// AMX tiles with the operation whose CPUID leaf 7 EDX bit is given (22 AMX-BF16, 25 AMX-INT8), and
+// Linux's leave to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, kernels from 5.16), asked once.
+bool AmxUsable(int edx_bit);
 
 // What the projections compute with for weights of type t on this CPU, with the inputs rounded
 // to bf16 or not, e.g. "avx2 float32 FMA", "avx512-vnni int8 dot products" (the startup line).

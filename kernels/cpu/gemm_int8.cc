@@ -2,8 +2,6 @@
 #include "kernels/cpu/gemm_int8.h"
 
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <vector>
 
@@ -11,33 +9,13 @@
 
 namespace relgen::cpu {
 
-float QuantizeRow(const float* x, int k, int padded, int8_t* q) { return int8::base::QuantizeRow(x, k, padded, q); }
-
-namespace {
-// AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24 and 25), and Linux's leave to use the tile data
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, kernels from 5.16), asked once.
-bool AmxUsable() {
-  static const bool usable = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || (d & (1u << 24)) == 0 || (d & (1u << 25)) == 0) return false;
-#if defined(__linux__)
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-#else
-    return false;
-#endif
-  }();
-  return usable;
-}
-}  // namespace
-
 std::vector<Int8Isa> SupportedInt8Isas() {
   __builtin_cpu_init();
   std::vector<Int8Isa> isas;
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni")) {
-    if (AmxUsable()) isas.push_back(Int8Isa::kAmx);
+    if (AmxUsable(25)) isas.push_back(Int8Isa::kAmx);
     isas.push_back(Int8Isa::kAvx512Vnni);
   }
   // AVX-VNNI: CPUID leaf 7, subleaf 1, EAX bit 4 (not every compiler's __builtin_cpu_supports names it).

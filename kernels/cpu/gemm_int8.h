@@ -17,10 +17,14 @@ struct Job {
   float* y = nullptr;           // [rows][n]
 };
 
+// Each kernel's QuantizeRow: one input row quantised: amax = max |x|; scale = amax / 127 and
+// q[i] = round-to-nearest-even(x[i] * (127 / amax)) in [-127, 127]; q is zero-padded to `padded`.
+// A zero row has scale 0; a row holding an infinity or NaN has scale NaN (its outputs are NaN).
+// (A VNNI kernel stores q + 128.)
 #define RELGEN_INT8_DECLARE(isa) \
   namespace isa {                \
   void Panels(const Job& job, int p_begin, int p_end); \
-  float QuantizeRow(const float* x, int k, int padded, int8_t* q); /* q + 128 for a VNNI kernel */ \
+  float QuantizeRow(const float* x, int k, int padded, int8_t* q); \
   }
 RELGEN_INT8_DECLARE(amx)
 RELGEN_INT8_DECLARE(amx_emulated)

@@ -14,7 +14,7 @@ namespace relgen::bench {
 
 // How the projections multiply: the weights' storage and their inputs. "mma": bf16 weights times
 // activations rounded to bf16 (the CUDA backend's tensor cores, --cuda_gemm mma), computed on the
-// CPU twin; "bf16-dot": the same product through AVX-512 BF16 dot products where the CPU has them
+// CPU twin; "bf16-dot": the same product through AMX-BF16 or AVX-512 BF16 dot products where the CPU has them
 // (--activations_dtype bf16 with bf16 weights).
 struct AccuracyWeights {
   cpu::WeightType type = cpu::WeightType::kF32;
