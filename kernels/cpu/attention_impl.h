@@ -76,47 +76,77 @@ inline void WeightedSumAnySize(const float* w, int n, const KvView& kv, int head
   }
 }
 
+#if RELGEN_ATTENTION_VECTOR8 || RELGEN_ATTENTION_VECTOR16
 #if RELGEN_ATTENTION_VECTOR8
 // Eight floats as one value (ymm registers in the AVX2 file). Lane l of every accumulator below
 // does exactly what the scalar loops of the baseline do for l.
-typedef float V8 __attribute__((vector_size(32), aligned(4)));
+constexpr int kLanes = 8;
+typedef float V __attribute__((vector_size(32), aligned(4)));
 
-__attribute__((always_inline)) inline V8 Load8(const float* p) {
-  return *reinterpret_cast<const V8*>(p);
-}
+__attribute__((always_inline)) inline V Load(const float* p) { return *reinterpret_cast<const V*>(p); }
 
 // Eight bf16 values widened: zero-extend to 32 bits, shift into the high half.
-__attribute__((always_inline)) inline V8 Load8(const uint16_t* p) {
+__attribute__((always_inline)) inline V Load(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<V8>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  return reinterpret_cast<V>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
 }
 
-__attribute__((always_inline)) inline float Reduce8(V8 c) {
-  return ((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7]));
+// The lanes folded to four: (c0+c4, c1+c5, c2+c6, c3+c7).
+__attribute__((always_inline)) inline __m128 Quarter(V c) {
+  const __m256 m = reinterpret_cast<__m256>(c);
+  return _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+}
+#else
+// Sixteen floats as one value (zmm registers in the AVX-512 file): the same loops at twice the
+// width, with their own fixed reduction order.
+constexpr int kLanes = 16;
+typedef float V __attribute__((vector_size(64), aligned(4)));
+
+__attribute__((always_inline)) inline V Load(const float* p) { return *reinterpret_cast<const V*>(p); }
+
+__attribute__((always_inline)) inline V Load(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<V>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
 }
 
-// Dot product accumulated in 8 lanes, reduced in a fixed order.
+// Lanes l and l + 8 first, then as the 8-lane fold.
+__attribute__((always_inline)) inline __m128 Quarter(V c) {
+  const __m512 m = reinterpret_cast<__m512>(c);
+  const __m256 h =
+      _mm256_add_ps(_mm512_castps512_ps256(m), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+// The fixed reduction order: the four folded lanes as (q0 + q1) + (q2 + q3).
+__attribute__((always_inline)) inline float Reduce(V c) {
+  float q[4];
+  _mm_storeu_ps(q, Quarter(c));
+  return (q[0] + q[1]) + (q[2] + q[3]);
+}
+
+// Dot product accumulated in kLanes lanes, reduced in the fixed order.
 template <typename T>
 __attribute__((always_inline)) inline float Dot(const float* a, const T* b, int n) {
-  V8 acc = {};
+  V acc = {};
   int i = 0;
-  for (; i + 8 <= n; i += 8) acc += Load8(a + i) * Load8(b + i);
+  for (; i + kLanes <= n; i += kLanes) acc += Load(a + i) * Load(b + i);
   for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * Wide(b[i]);
-  return Reduce8(acc);
+  return Reduce(acc);
 }
 
 // Dot(a, b[x], n) for four vectors at once: each result is Dot's arithmetic exactly, but the four
 // independent chains keep the multiply-add units busy where one chain waits on its own latency.
 template <typename T>
 __attribute__((always_inline)) inline void Dot4(const float* a, const T* const b[4], int n, float* out) {
-  V8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  V acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const V8 x = Load8(a + i);
-    acc0 += x * Load8(b[0] + i);
-    acc1 += x * Load8(b[1] + i);
-    acc2 += x * Load8(b[2] + i);
-    acc3 += x * Load8(b[3] + i);
+  for (; i + kLanes <= n; i += kLanes) {
+    const V x = Load(a + i);
+    acc0 += x * Load(b[0] + i);
+    acc1 += x * Load(b[1] + i);
+    acc2 += x * Load(b[2] + i);
+    acc3 += x * Load(b[3] + i);
   }
   for (int l = 0; i < n; ++i, ++l) {
     acc0[l] += a[i] * Wide(b[0][i]);
@@ -124,15 +154,10 @@ __attribute__((always_inline)) inline void Dot4(const float* a, const T* const b
     acc2[l] += a[i] * Wide(b[2][i]);
     acc3[l] += a[i] * Wide(b[3][i]);
   }
-  // Reduce8 of each, four at a time: the halves added lane by lane give (c0+c4, c1+c5, c2+c6,
-  // c3+c7); two rounds of pairwise adds then give ((c0+c4)+(c1+c5)) + ((c2+c6)+(c3+c7)), the same
-  // additions in the same order.
-  const auto halves = [](V8 c) {
-    const __m256 m = reinterpret_cast<__m256>(c);
-    return _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  };
-  const __m128 h01 = _mm_hadd_ps(halves(acc0), halves(acc1));
-  const __m128 h23 = _mm_hadd_ps(halves(acc2), halves(acc3));
+  // Reduce of each, four at a time: two rounds of pairwise adds over the folded lanes give
+  // (q0 + q1) + (q2 + q3), the same additions in the same order.
+  const __m128 h01 = _mm_hadd_ps(Quarter(acc0), Quarter(acc1));
+  const __m128 h23 = _mm_hadd_ps(Quarter(acc2), Quarter(acc3));
   _mm_storeu_ps(out, _mm_hadd_ps(h01, h23));
 }
 
@@ -140,109 +165,24 @@ __attribute__((always_inline)) inline void Dot4(const float* a, const T* const b
 template <int HD, typename T>
 __attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int n, const KvView& kv,
                                                             int head, int ks, float* out) {
-  V8 acc[HD / 8] = {};
+  V acc[HD / kLanes] = {};
   RowCursor<T> rows(kv, kv.v, head, ks);
   for (int j = 0; j < n; ++j) {
     const T* v = rows.Next();
-    const V8 wj = V8{} + w[j];
-    for (int c = 0; c < HD / 8; ++c) acc[c] += wj * Load8(v + 8 * c);
+    const V wj = V{} + w[j];
+    for (int c = 0; c < HD / kLanes; ++c) acc[c] += wj * Load(v + kLanes * c);
   }
-  for (int c = 0; c < HD / 8; ++c) {
-    for (int l = 0; l < 8; ++l) out[8 * c + l] = acc[c][l];
+  for (int c = 0; c < HD / kLanes; ++c) {
+    for (int l = 0; l < kLanes; ++l) out[kLanes * c + l] = acc[c][l];
   }
 }
 
 template <typename T>
 inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
                         float* out) {
-  if (hd == 64) return WeightedSumFixed<64, T>(w, n, kv, head, ks, out);
-  if (hd == 32) return WeightedSumFixed<32, T>(w, n, kv, head, ks, out);
-  WeightedSumAnySize<T>(w, n, kv, head, ks, hd, out);
-}
-
-#elif RELGEN_ATTENTION_VECTOR16
-// Sixteen floats as one value (zmm registers in the AVX-512 file): the same loops as the 8-lane
-// path at twice the width, with their own fixed reduction order.
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
-
-__attribute__((always_inline)) inline V16 Load16(const float* p) {
-  return *reinterpret_cast<const V16*>(p);
-}
-
-__attribute__((always_inline)) inline V16 Load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return reinterpret_cast<V16>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-}
-
-// Lanes l and l + 8 first, then the 8-lane order.
-__attribute__((always_inline)) inline __m256 Halves16(V16 c) {
-  const __m512 m = reinterpret_cast<__m512>(c);
-  return _mm256_add_ps(_mm512_castps512_ps256(m), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
-}
-
-__attribute__((always_inline)) inline float Reduce16(V16 c) {
-  const __m256 h = Halves16(c);
-  float e[8];
-  _mm256_storeu_ps(e, h);
-  return ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
-}
-
-template <typename T>
-__attribute__((always_inline)) inline float Dot(const float* a, const T* b, int n) {
-  V16 acc = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16) acc += Load16(a + i) * Load16(b + i);
-  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * Wide(b[i]);
-  return Reduce16(acc);
-}
-
-// Dot(a, b[x], n) for four vectors at once, each with Dot's arithmetic exactly.
-template <typename T>
-__attribute__((always_inline)) inline void Dot4(const float* a, const T* const b[4], int n, float* out) {
-  V16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const V16 x = Load16(a + i);
-    acc0 += x * Load16(b[0] + i);
-    acc1 += x * Load16(b[1] + i);
-    acc2 += x * Load16(b[2] + i);
-    acc3 += x * Load16(b[3] + i);
-  }
-  for (int l = 0; i < n; ++i, ++l) {
-    acc0[l] += a[i] * Wide(b[0][i]);
-    acc1[l] += a[i] * Wide(b[1][i]);
-    acc2[l] += a[i] * Wide(b[2][i]);
-    acc3[l] += a[i] * Wide(b[3][i]);
-  }
-  // Reduce16 of each, four at a time (the same additions in the same order; see the 8-lane Dot4).
-  const auto quarters = [](V16 c) {
-    const __m256 h = Halves16(c);
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  };
-  const __m128 h01 = _mm_hadd_ps(quarters(acc0), quarters(acc1));
-  const __m128 h23 = _mm_hadd_ps(quarters(acc2), quarters(acc3));
-  _mm_storeu_ps(out, _mm_hadd_ps(h01, h23));
-}
-
-template <int HD, typename T>
-__attribute__((always_inline)) inline void WeightedSumFixed(const float* w, int n, const KvView& kv,
-                                                            int head, int ks, float* out) {
-  V16 acc[HD / 16] = {};
-  RowCursor<T> rows(kv, kv.v, head, ks);
-  for (int j = 0; j < n; ++j) {
-    const T* v = rows.Next();
-    const V16 wj = V16{} + w[j];
-    for (int c = 0; c < HD / 16; ++c) acc[c] += wj * Load16(v + 16 * c);
-  }
-  for (int c = 0; c < HD / 16; ++c) {
-    for (int l = 0; l < 16; ++l) out[16 * c + l] = acc[c][l];
-  }
-}
-
-template <typename T>
-inline void WeightedSum(const float* w, int n, const KvView& kv, int head, int ks, int hd,
-                        float* out) {
-  if (hd == 128) return WeightedSumFixed<128, T>(w, n, kv, head, ks, out);
+  // The 8-lane path keeps head size 128 on the any-size loop (16 ymm sums would leave no register
+  // for the loads).
+  if (kLanes == 16 && hd == 128) return WeightedSumFixed<128, T>(w, n, kv, head, ks, out);
   if (hd == 64) return WeightedSumFixed<64, T>(w, n, kv, head, ks, out);
   if (hd == 32) return WeightedSumFixed<32, T>(w, n, kv, head, ks, out);
   WeightedSumAnySize<T>(w, n, kv, head, ks, hd, out);
