@@ -384,13 +384,8 @@ int Main(int argc, char** argv) {
   const KvCacheConfig kv = (*backend)->kv_cache();
   const std::string device_name = (*backend)->device();
   const int64_t kv_bytes = (*backend)->memory().kv_cache;
-  std::string weights_dtype = (*backend)->weights_dtype();
+  const std::string weights_dtype = (*backend)->weights_dtype() + " (" + (*backend)->projections() + ")";
   const std::string kv_dtype = (*backend)->kv_cache_dtype();
-  if (auto chosen = ResolveDeviceOptions(**model, dev); chosen.ok() && chosen->device == "cuda") {
-    weights_dtype += " (" + chosen->cuda_gemm + " projections)";
-  } else if (cpu::WeightType wt; cpu::ParseWeightType(weights_dtype, &wt)) {
-    weights_dtype += " (" + cpu::GemmPathName(wt, o.activations_dtype == "bf16") + ")";  // what this CPU's features picked
-  }
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;

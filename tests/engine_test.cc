@@ -122,15 +122,19 @@ std::vector<Result> RunAlone(const std::string& scheme, const std::vector<Reques
   return out;
 }
 
-// Submits with small random gaps while the engine runs, then reads everything.
-std::vector<Result> RunTogether(Engine& engine, const std::vector<Request>& work) {
+// Submits the first `at_once` requests while the engine is paused (they meet in its first step
+// however fast it runs: the load a preemption test needs), then the rest with small random gaps
+// while it runs, then reads everything.
+std::vector<Result> RunTogether(Engine& engine, const std::vector<Request>& work, size_t at_once = 0) {
   std::mt19937 rng(42);
   std::vector<std::shared_ptr<RequestHandle>> handles;
-  for (const Request& r : work) {
-    auto h = engine.Submit(r);
+  if (at_once > 0) engine.Pause();
+  for (size_t i = 0; i < work.size(); ++i) {
+    auto h = engine.Submit(work[i]);
     EXPECT_TRUE(h.ok()) << h.status();
     handles.push_back(*h);
-    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000));
+    if (i + 1 == at_once) engine.Resume();
+    if (i + 1 > at_once) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000));
   }
   std::vector<Result> out;
   for (auto& h : handles) out.push_back(Drain(*h));
@@ -158,7 +162,7 @@ TEST_P(EngineSchemeTest, BatchedOutputsEqualAloneOutputs) {
     return steps;
   }();
   auto engine = MakeEngine(GetParam(), EngineSetup{});
-  const std::vector<Result> together = RunTogether(*engine, work);
+  const std::vector<Result> together = RunTogether(*engine, work, 8);
   ExpectSame(together, alone);
   const EngineStats st = engine->Stats();
   EXPECT_EQ(st.kv_blocks_used, 0);
@@ -176,7 +180,7 @@ TEST_P(EngineSchemeTest, PreemptionKeepsOutputsAndReturnsEveryBlock) {
   EngineSetup small;
   small.num_blocks = 40;
   auto engine = MakeEngine(GetParam(), small);
-  const std::vector<Result> together = RunTogether(*engine, work);
+  const std::vector<Result> together = RunTogether(*engine, work, 16);
   ExpectSame(together, alone);
   const EngineStats st = engine->Stats();
   EXPECT_GT(st.preemptions, 0);
@@ -200,7 +204,7 @@ TEST_P(EngineWeightsTest, BatchedAndPreemptedOutputsEqualAloneOutputs) {
   small.weights = weights;
   small.kv_type = kv_type;
   auto engine = MakeEngine(scheme, small);
-  ExpectSame(RunTogether(*engine, work), alone);
+  ExpectSame(RunTogether(*engine, work, 16), alone);
   const EngineStats st = engine->Stats();
   EXPECT_GT(st.preemptions, 0);
   EXPECT_EQ(st.kv_blocks_used, 0);
@@ -334,6 +338,7 @@ class WrappedBackend : public Backend {
   std::string device() const override { return inner_->device(); }
   BackendMemory memory() const override { return inner_->memory(); }
   std::string weights_dtype() const override { return inner_->weights_dtype(); }
+  std::string projections() const override { return inner_->projections(); }
   std::string kv_cache_dtype() const override { return inner_->kv_cache_dtype(); }
   const KvCacheConfig& kv_cache() const override { return inner_->kv_cache(); }
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override {
@@ -525,9 +530,9 @@ TEST_P(OverlapSchemeTest, OutputsEqualAloneOneStepAtATime) {
     AheadBackend* ahead = nullptr;
     auto engine = MakeAheadEngine(GetParam(), setup, &ahead);
     if (num_blocks == 1024) {
-      ExpectSame(RunTogether(*engine, work), alone);
+      ExpectSame(RunTogether(*engine, work, 16), alone);
     } else {
-      ExpectSame(RunTogether(*engine, Workload()), free_run);
+      ExpectSame(RunTogether(*engine, Workload(), 16), free_run);
     }
     const EngineStats st = engine->Stats();
     EXPECT_EQ(st.kv_blocks_used, 0);

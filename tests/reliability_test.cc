@@ -34,8 +34,10 @@ std::shared_ptr<grpc::Channel> Plain(const testing::ServerProcess& p) {
 
 TEST(FaultTest, KvExhaustionPreemptsAndKeepsEveryOutput) {
   // 32 blocks of 16 tokens for 12 sequences that each grow to 5-7 blocks: the cache runs out
-  // mid-generation, and the newest sequences are preempted and recomputed.
-  auto tight = StartServer({"--model", ModelDir("skew"), "--kv_cache_tokens", "512", "--max_num_seqs", "12"});
+  // mid-generation, and the newest sequences are preempted and recomputed. The engine is held until
+  // all 12 have arrived, so they meet however fast it runs.
+  auto tight = StartServer({"--model", ModelDir("skew"), "--kv_cache_tokens", "512", "--max_num_seqs", "12",
+                            "--enable_test_hooks"});
   auto roomy = StartServer({"--model", ModelDir("skew"), "--kv_cache_tokens", "8192", "--max_num_seqs", "1"});
   std::vector<v1::GenerateRequest> reqs;
   for (int i = 0; i < 12; ++i) {
@@ -47,8 +49,11 @@ TEST(FaultTest, KvExhaustionPreemptsAndKeepsEveryOutput) {
     reqs.push_back(r);
   }
   auto tight_stub = Stub(*tight);
+  ASSERT_TRUE(testing::PauseEngine(tight->metrics_port()));
   std::vector<std::future<Collected>> calls;
   for (const auto& r : reqs) calls.push_back(std::async(std::launch::async, [&, r] { return Stream(*tight_stub, r); }));
+  WaitForMetrics(tight->metrics_port(), [](const auto& m) { return Metric(m, "relgen_num_requests_waiting") == 12; });
+  ASSERT_TRUE(testing::ResumeEngine(tight->metrics_port()));
   auto roomy_stub = Stub(*roomy);
   for (size_t i = 0; i < reqs.size(); ++i) {
     const Collected under_pressure = calls[i].get();
@@ -107,9 +112,23 @@ TEST(FaultTest, MalformedAndOversizedMessagesAreRefusedAndTheServerGoesOn) {
 
 // ------------------------------------------------------------------ a client that never reads
 
+// Holds the engine (test hooks) once `tokens` are generated, waits for the stream write timeout,
+// and lets it go on: the stalled request is still in the engine when the timeout strikes, whatever
+// the machine's speed (it generates far fewer than `total` tokens between a scrape and the hold).
+void HoldAfterTokens(testing::ServerProcess& server, double tokens, double total) {
+  const auto generated = [&] {
+    return Metric(testing::ParseMetrics(testing::Scrape(server.metrics_port())), "relgen_generation_tokens_total");
+  };
+  for (int i = 0; i < 120000 && generated() < tokens; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(testing::PauseEngine(server.metrics_port()));
+  ASSERT_LT(generated(), total) << "the request ran to its end before the engine could be held";
+  WaitForMetrics(server.metrics_port(), [](const auto& m) { return Metric(m, "relgen_stream_write_timeouts_total") == 1; });
+  ASSERT_TRUE(testing::ResumeEngine(server.metrics_port()));
+}
+
 TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "8192",
-                             "--stream_write_timeout_seconds", "1"});
+                             "--stream_write_timeout_seconds", "1", "--enable_test_hooks"});
   // A connection whose receive window is tiny, so the server's writes stall once it is full.
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
@@ -117,8 +136,14 @@ TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   auto stalled_channel = grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args);
   auto stalled_stub = v1::GenerationService::NewStub(stalled_channel);
   grpc::ClientContext stalled_ctx;
-  auto reader = stalled_stub->GenerateStream(&stalled_ctx, TokenRequest({9, 8, 7}, 1800));
+  // 20 alternatives a token: each token's message is some 200 bytes, so a few fill the window.
+  v1::GenerateRequest stalled_request = TokenRequest({9, 8, 7}, 1800);
+  stalled_request.set_logprobs(20);
+  auto reader = stalled_stub->GenerateStream(&stalled_ctx, stalled_request);
   const auto t0 = std::chrono::steady_clock::now();
+  // Held once 50 tokens (some 10 KB for a 1 KB window) are out: the writes have stalled, and the
+  // request is still in the engine when the timeout strikes, however fast the machine generates.
+  HoldAfterTokens(*server, 50, 1800);
 
   // Meanwhile the server serves others.
   const Collected other = Stream(*Stub(*server), TokenRequest({1, 2}, 10));
@@ -306,7 +331,7 @@ TEST(HttpFaultTest, AClientThatLeavesMidStreamCancelsItsRequest) {
 
 TEST(HttpFaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   auto server = StartServer({"--model", ModelDir("server"), "--kv_cache_tokens", "65536", "--max_num_seqs", "16",
-                             "--stream_write_timeout_seconds", "1"});
+                             "--stream_write_timeout_seconds", "1", "--enable_test_hooks"});
   const std::string model = ServedModel(server->http_port());
   ASSERT_FALSE(model.empty());
   // 16 samples of 2000 tokens with 20 alternatives each: megabytes of events, against the server's
@@ -314,6 +339,9 @@ TEST(HttpFaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   RawHttp stalled(server->http_port(), 4096);
   ASSERT_TRUE(stalled.Send(PostCompletion(CompletionJson(
       model, R"("prompt": [9, 8, 7], "max_tokens": 2000, "n": 16, "logprobs": 20, "ignore_eos": true, "stream": true)"))));
+  // Held once 1,600 tokens (megabytes of events) are out: the writes have stalled, and the samples
+  // are still in the engine when the timeout strikes, however fast the machine generates.
+  HoldAfterTokens(*server, 1600, 16 * 2000);
   auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
     return Metric(m, "relgen_stream_write_timeouts_total") == 1 &&
            Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == 16 &&

@@ -62,6 +62,9 @@ class Backend {
   // What the backend computes from: "f32", "bf16" or "int8" weights; "f32" or "bf16" K/V.
   virtual std::string weights_dtype() const = 0;
   virtual std::string kv_cache_dtype() const = 0;
+  // How the projections multiply, for the startup line: e.g. "avx512-vnni int8 dot products",
+  // "invariant projections".
+  virtual std::string projections() const = 0;
   // The paged KV pool the backend allocated at creation.
   virtual const KvCacheConfig& kv_cache() const = 0;
   // Runs the decoder over every step's tokens (one batch), writes their K/V into the pool and

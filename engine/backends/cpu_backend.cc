@@ -153,6 +153,10 @@ class CpuBackend final : public Backend {
   std::string device() const override { return "cpu"; }
   std::string weights_dtype() const override { return cpu::WeightTypeName(weight_type_); }
   std::string kv_cache_dtype() const override { return cpu::KvTypeName(kv_type_); }
+  // What this CPU's features picked.
+  std::string projections() const override {
+    return bf16_dot_ ? cpu::Bf16DotPathName() : cpu::GemmPathName(weight_type_, bf16_activations_);
+  }
   BackendMemory memory() const override {
     BackendMemory m;
     // The embedding is read as stored, a row per token; the small tensors were widened at load.

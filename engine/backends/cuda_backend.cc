@@ -238,6 +238,9 @@ class CudaBackend final : public Backend {
 #endif
   std::string weights_dtype() const override { return cpu::WeightTypeName(options_.weight_type); }
   std::string kv_cache_dtype() const override { return cpu::KvTypeName(options_.kv_type); }
+  std::string projections() const override {
+    return options_.tensor_cores ? "mma projections" : options_.cublas_gemms ? "cublas projections" : "invariant projections";
+  }
   const KvCacheConfig& kv_cache() const override { return kv_; }
   BackendMemory memory() const override {
     BackendMemory m;

@@ -534,7 +534,9 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
   if (stop_) return absl::UnavailableError("the engine is shut down");
   if (!failure_.ok()) return failure_;
   if (queued_ + members > config_.max_waiting) {
-    return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", config_.max_waiting, " requests waiting)"));
+    return absl::ResourceExhaustedError(absl::StrCat("the queue is full: ", queued_, " sequences waiting and this request adds ",
+                                                     members, ", over the limit of ", config_.max_waiting,
+                                                     " (--max_waiting); retry later"));
   }
   s->id = next_seq_id_++;
   for (auto& f : s->followers) f->id = next_seq_id_++;

@@ -351,13 +351,15 @@ void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* 
 
 std::string GemmPathName(WeightType t, bool bf16_inputs) {
   if (t == WeightType::kInt8) return std::string(Int8IsaName(SupportedInt8Isas().front())) + " int8 dot products";
-  if (t == WeightType::kBf16 && bf16_inputs && Bf16DotSupported()) {
-    const Bf16Isa isa = SupportedBf16Isas().front();
-    return std::string(Bf16IsaName(isa)) + (isa == Bf16Isa::kAvx512Bf16 ? " bf16 dot products" : " bf16 tiles");
-  }
   const GemmIsa isa = SupportedGemmIsas().front();
   return std::string(GemmIsaName(isa)) + (isa == GemmIsa::kBase ? " float32 multiply-adds" : " float32 FMA") +
          (bf16_inputs ? ", inputs rounded to bf16" : "");
+}
+
+std::string Bf16DotPathName() {
+  if (!Bf16DotSupported()) return "none (no AMX-BF16 or AVX-512 BF16)";
+  const Bf16Isa isa = SupportedBf16Isas().front();
+  return std::string(Bf16IsaName(isa)) + (isa == Bf16Isa::kAvx512Bf16 ? " bf16 dot products" : " bf16 tiles");
 }
 
 bool AmxUsable(int edx_bit) {

@@ -109,9 +109,11 @@ void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float*
 // Linux's leave to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, kernels from 5.16), asked once.
 bool AmxUsable(int edx_bit);
 
-// What the projections compute with for weights of type t on this CPU, with the inputs rounded
-// to bf16 or not, e.g. "avx2 float32 FMA", "avx512-vnni int8 dot products" (the startup line).
+// What LinearPacked computes with for weights of type t on this CPU, with the inputs rounded to
+// bf16 first or not, e.g. "avx2 float32 FMA", "avx512-vnni int8 dot products" (the startup line);
+// Bf16DotPathName likewise for LinearBf16Dot, e.g. "avx512-bf16 bf16 dot products".
 std::string GemmPathName(WeightType t, bool bf16_inputs = false);
+std::string Bf16DotPathName();
 
 // y [rows, w.n()] = x [rows, w.k()] * W^T (+ bias [w.n()] when not null). `pool` may be null.
 void LinearPacked(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,
