@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/amx_tiles.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/gemm.h"
 
@@ -24,13 +25,7 @@ constexpr int kP = PackedMatrix::kPanel;  // outputs per panel: a tile's 16 floa
 constexpr int kStep = 32;                 // k values per tile step: 16 pairs, a 64-byte tile row
 constexpr int kRowChunk = 128;
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
+using tiles::TileConfig;
 
 #if RELGEN_BF16_AMX == 1
 // The intrinsics name their tile registers by literal numbers, hence macros.
@@ -48,14 +43,7 @@ inline float Widen(uint16_t h) { return FromBf16(h); }
 inline float Ftz(float f) { return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f; }
 // tdpbf16ps as the ISA writes it: per output, the even and the odd products each in a float32
 // FMA chain over the tile's k pairs, the two chains added, the result added to the accumulator.
-struct Tiles {
-  TileConfig cfg;
-  alignas(64) uint8_t t[8][16][64];
-  void Configure(const TileConfig& c) { cfg = c; }
-  template <int T> void Zero() { std::memset(t[T], 0, sizeof t[T]); }
-  template <int T> void Load(const void* p, int stride) {
-    for (int r = 0; r < cfg.rows[T]; ++r) std::memcpy(t[T][r], static_cast<const char*>(p) + r * stride, cfg.colsb[T]);
-  }
+struct Tiles : tiles::EmulatedTiles {
   uint16_t Half(int tile, int row, int i) const {
     uint16_t h;
     std::memcpy(&h, &t[tile][row][2 * i], 2);
@@ -79,9 +67,6 @@ struct Tiles {
         std::memcpy(&t[C][m][4 * n], &acc, 4);
       }
     }
-  }
-  template <int T> void Store(void* p, int stride) const {
-    for (int r = 0; r < cfg.rows[T]; ++r) std::memcpy(static_cast<char*>(p) + r * stride, t[T][r], cfg.colsb[T]);
   }
 };
 #define RELGEN_TILE_ZERO(t, n) t.Zero<n>()

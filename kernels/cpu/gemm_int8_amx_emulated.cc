@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include "kernels/cpu/amx_tiles.h"
 #include "kernels/cpu/gemm_int8.h"
 
 #if defined(__clang__)

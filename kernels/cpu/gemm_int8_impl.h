@@ -17,6 +17,10 @@
 #define RELGEN_INT8_UNSIGNED 0
 #endif
 
+#if RELGEN_INT8_AMX
+#include "kernels/cpu/amx_tiles.h"
+#endif
+
 namespace relgen::cpu::int8::RELGEN_INT8_ISA {
 namespace {
 
@@ -204,13 +208,7 @@ __attribute__((always_inline)) inline void Tail(const Job& j, int left, int r, i
 // AMX-INT8: tiles of 16 rows x 64 bytes. The int8 panels are already its B operand ([k/4][16][4],
 // 64-byte rows), and tdpbusd takes the same unsigned inputs as vpdpbusd, so the sums (and the
 // offsets taken back) are the VNNI kernel's exactly: rows outside whole 16-row blocks go to it.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
+using tiles::TileConfig;
 
 #if RELGEN_INT8_AMX == 1
 // The intrinsics name their tile registers by literal numbers (GCC's paste them into the
@@ -226,14 +224,7 @@ struct Tiles {
 #else
 // The tile instructions written in C++, as the ISA defines them: the blocking below is tested on
 // CPUs without AMX through these.
-struct Tiles {
-  TileConfig cfg;
-  alignas(64) uint8_t t[8][16][64];
-  void Configure(const TileConfig& c) { cfg = c; }
-  template <int T> void Zero() { __builtin_memset(t[T], 0, sizeof t[T]); }
-  template <int T> void Load(const void* p, int stride) {
-    for (int r = 0; r < cfg.rows[T]; ++r) __builtin_memcpy(t[T][r], static_cast<const char*>(p) + r * stride, cfg.colsb[T]);
-  }
+struct Tiles : tiles::EmulatedTiles {
   template <int C, int A, int B> void Dot() {
     for (int m = 0; m < cfg.rows[A]; ++m) {
       for (int n = 0; n < cfg.colsb[B] / 4; ++n) {
@@ -247,9 +238,6 @@ struct Tiles {
         __builtin_memcpy(&t[C][m][4 * n], &acc, 4);
       }
     }
-  }
-  template <int T> void Store(void* p, int stride) {
-    for (int r = 0; r < cfg.rows[T]; ++r) __builtin_memcpy(static_cast<char*>(p) + r * stride, t[T][r], cfg.colsb[T]);
   }
 };
 #define RELGEN_TILE_ZERO(t, n) t.Zero<n>()
