@@ -647,21 +647,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   s.chain.clear();
   for (auto& f : s.followers) orphans_.push_back(std::move(f));
   s.followers.clear();
-  {
-    // Books first, so nothing a client has received is missing from them.
-    // The running and waiting gauges too: a client that got its final output must not still be
-    // counted as running (the step's own refresh comes later).
-    // (Finish may run inside a remove_if over these queues: skip moved-from entries.)
-    int running = 0, waiting = 0;
-    for (const auto& r : running_) running += r != nullptr && !r->done ? 1 : 0;
-    for (const auto& w : waiting_) waiting += w != nullptr && !w->done ? 1 : 0;
-    std::unique_lock<std::mutex> lock(mu_);
-    ++stats_.finished;
-    stats_.kv_blocks_used = allocator_.num_used();
-    stats_.kv_blocks_cached = allocator_.num_cached();
-    stats_.num_running = running;
-    stats_.num_waiting = waiting + static_cast<int>(inbox_.size());
-  }
+  BookFinished(0);  // the steps booked its tokens
   Output o;
   o.finished = true;
   o.finish_reason = reason;
@@ -673,18 +659,37 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   o.timing.queue = (s.scheduled == absl::InfinitePast() ? now : s.scheduled) - s.submitted;
   o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;
   o.timing.total = now - s.submitted;
-  if (config_.observer) {
-    RequestSummary sum;
-    sum.reason = reason;
-    sum.code = o.status.code();
-    sum.prompt_tokens = s.follower ? 0 : o.prompt_tokens;  // a group's prompt counts once
-    sum.generated_tokens = o.generated_tokens;
-    sum.queue = o.timing.queue;
-    sum.time_to_first_token = o.timing.time_to_first_token;
-    sum.e2e = o.timing.total;
-    config_.observer->OnFinished(sum);
-  }
+  // A group's prompt counts once.
+  Observe(reason, o.status.code(), s.follower ? 0 : o.prompt_tokens, o.generated_tokens, o.timing);
   s.handle->Deliver(std::move(o));
+}
+
+void Engine::BookFinished(int generated) {
+  // (Finish may run inside a remove_if over these queues: skip moved-from entries.)
+  int running = 0, waiting = 0;
+  for (const auto& r : running_) running += r != nullptr && !r->done ? 1 : 0;
+  for (const auto& w : waiting_) waiting += w != nullptr && !w->done ? 1 : 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  ++stats_.finished;
+  stats_.generation_tokens += generated;
+  stats_.kv_blocks_used = allocator_.num_used();
+  stats_.kv_blocks_cached = allocator_.num_cached();
+  stats_.num_running = running;
+  stats_.num_waiting = waiting + static_cast<int>(inbox_.size());
+}
+
+void Engine::Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated,
+                     const RequestTiming& t) {
+  if (!config_.observer) return;
+  RequestSummary sum;
+  sum.reason = reason;
+  sum.code = code;
+  sum.prompt_tokens = prompt_tokens;
+  sum.generated_tokens = generated;
+  sum.queue = t.queue;
+  sum.time_to_first_token = t.time_to_first_token;
+  sum.e2e = t.total;
+  config_.observer->OnFinished(sum);
 }
 
 void Engine::DropBeam(Seq& s) {
@@ -769,18 +774,7 @@ void Engine::EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& sta
   g.candidates.clear();
   int generated = 0;
   for (const BeamHypothesis& h : results) generated += static_cast<int>(h.tokens.size());
-  {
-    int running = 0, waiting = 0;
-    for (const auto& r : running_) running += r != nullptr && !r->done ? 1 : 0;
-    for (const auto& w : waiting_) waiting += w != nullptr && !w->done ? 1 : 0;
-    std::unique_lock<std::mutex> lock(mu_);
-    ++stats_.finished;
-    stats_.generation_tokens += generated;
-    stats_.kv_blocks_used = allocator_.num_used();
-    stats_.kv_blocks_cached = allocator_.num_cached();
-    stats_.num_running = running;
-    stats_.num_waiting = waiting + static_cast<int>(inbox_.size());
-  }
+  BookFinished(generated);
   const absl::Time now = absl::Now();
   RequestTiming timing;
   timing.queue = (g.scheduled == absl::InfinitePast() ? now : g.scheduled) - g.submitted;
@@ -803,17 +797,7 @@ void Engine::EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& sta
     } else if (reason == FinishReason::kNone) {
       o.finish_reason = FinishReason::kStop;  // fewer hypotheses than asked for (every token banned)
     }
-    if (j == 0 && config_.observer) {
-      RequestSummary sum;
-      sum.reason = o.finish_reason;
-      sum.code = o.status.code();
-      sum.prompt_tokens = prompt_tokens;
-      sum.generated_tokens = generated;
-      sum.queue = timing.queue;
-      sum.time_to_first_token = timing.time_to_first_token;
-      sum.e2e = timing.total;
-      config_.observer->OnFinished(sum);
-    }
+    if (j == 0) Observe(o.finish_reason, o.status.code(), prompt_tokens, generated, timing);
     g.handles[j]->Deliver(std::move(o));
   }
 }

@@ -263,6 +263,12 @@ class Engine {
   void SelectBeams(BeamGroup& g);
   void EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& status);
   void DropBeam(Seq& s);  // a beam the search left: its blocks, silently
+  // A request's end in the books, before its final output goes out (nothing a client has received
+  // may be missing from them): the finished count, `generated` tokens not booked by the steps, and
+  // the block and queue gauges (a client with its final output must not still count as running).
+  void BookFinished(int generated);
+  // The observer's summary of a finished request.
+  void Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated, const RequestTiming& t);
   // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
   // blocks a sequence has computed.
   void LookupPrefix(Seq& s);
