@@ -224,11 +224,10 @@ void Run(PanelFn fn, const float* x, int rows, const PackedMatrix& w, const floa
 
 }  // namespace
 
-namespace {
-// A matrix of 2 MiB or more on 2 MiB-aligned memory marked for transparent huge pages: a batch-1
-// decode step streams every weight once, and 4 KiB pages' TLB misses cost a stream of 2 GB about 9%
-// of its bandwidth (docs/benchmarks.md). Advice only: where the kernel declines, 4 KiB pages.
-char* AllocatePanels(size_t bytes) {
+// 2 MiB or more on 2 MiB-aligned memory marked for transparent huge pages: a batch-1 decode step
+// streams every weight once, and 4 KiB pages' TLB misses cost a stream of 2 GB about 9% of its
+// bandwidth (docs/benchmarks.md). Advice only: where the kernel declines, 4 KiB pages.
+char* AllocateWeights(size_t bytes) {
   constexpr size_t kHuge = size_t{2} << 20;
   if (bytes < kHuge) return static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
@@ -238,7 +237,6 @@ char* AllocatePanels(size_t bytes) {
 #endif
   return p;
 }
-}  // namespace
 
 void PackedMatrix::Free::operator()(char* p) const { std::free(p); }
 
@@ -280,7 +278,7 @@ PackedMatrix::PackedMatrix(int n, int k, WeightType type, const std::function<vo
   const int eb = WeightTypeBytes(type);
   const int k4 = padded_k();
   const size_t bytes = (static_cast<size_t>(panels()) * k4 * kP * eb + 63) / 64 * 64;
-  data_.reset(AllocatePanels(bytes));
+  data_.reset(AllocateWeights(bytes));
   char* d = data_.get();
   std::memset(d, 0, bytes);
   if (type == WeightType::kInt8) {

@@ -109,6 +109,10 @@ void LinearBf16Dot(const float* x, int rows, const PackedMatrix& w, const float*
 // Linux's leave to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, kernels from 5.16), asked once.
 bool AmxUsable(int edx_bit);
 
+// Memory as packed weights get it: from 2 MiB up, 2 MiB-aligned and advised for transparent huge
+// pages (benchmarks probe bandwidth on the same kind of pages). Free with std::free.
+char* AllocateWeights(size_t bytes);
+
 // What LinearPacked computes with for weights of type t on this CPU, with the inputs rounded to
 // bf16 first or not, e.g. "avx2 float32 FMA", "avx512-vnni int8 dot products" (the startup line);
 // Bf16DotPathName likewise for LinearBf16Dot, e.g. "avx512-bf16 bf16 dot products".

@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/thread_pool.h"
 #include "nlohmann/json.hpp"
 
@@ -71,13 +72,15 @@ int RunMachineBench(const MachineOptions& o) {
   cpu::ThreadPool pool(threads);
   const std::vector<size_t> sizes = {size_t{256} << 10, size_t{4} << 20, size_t{16} << 20, size_t{24} << 20,
                                      size_t{64} << 20, size_t{1} << 30};
-  // One buffer per thread (first touched by that thread), as large as the largest working set's slice.
+  // One buffer per thread (first touched by that thread), as large as the largest working set's
+  // slice, on the weights' kind of pages.
   const size_t slice_max = sizes.back() / threads / sizeof(float) / 32 * 32;
-  std::vector<std::unique_ptr<float[]>> bufs(threads);
+  std::vector<std::unique_ptr<float, decltype(&std::free)>> bufs;
+  for (int t = 0; t < threads; ++t) bufs.emplace_back(nullptr, &std::free);
   pool.ParallelFor(threads, [&](int b, int e) {
     for (int t = b; t < e; ++t) {
-      bufs[t].reset(new float[slice_max]);
-      for (size_t i = 0; i < slice_max; ++i) bufs[t][i] = 1.0f;
+      bufs[t].reset(reinterpret_cast<float*>(cpu::AllocateWeights(slice_max * sizeof(float))));
+      std::fill(bufs[t].get(), bufs[t].get() + slice_max, 1.0f);
     }
   });
   std::printf("relgen-bench machine: %d threads, %s loads, %d repetitions of each size (interleaved)\n", threads,
