@@ -224,16 +224,16 @@ void Run(PanelFn fn, const float* x, int rows, const PackedMatrix& w, const floa
 
 }  // namespace
 
-// 2 MiB or more on 2 MiB-aligned memory marked for transparent huge pages: a batch-1 decode step
-// streams every weight once, and 4 KiB pages' TLB misses cost a stream of 2 GB about 9% of its
-// bandwidth (docs/benchmarks.md). Advice only: where the kernel declines, 4 KiB pages.
+// 2 MiB or more on 2 MiB-aligned memory, its whole 2 MiB pages marked for transparent huge pages: a
+// batch-1 decode step streams every weight once, and 4 KiB pages' TLB misses cost a stream of 2 GB
+// about 9% of its bandwidth (docs/benchmarks.md). The tail stays on 4 KiB pages, so no huge page
+// holds memory past the end. Advice only: where the kernel declines, 4 KiB pages.
 char* AllocateWeights(size_t bytes) {
   constexpr size_t kHuge = size_t{2} << 20;
   if (bytes < kHuge) return static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
-  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-  char* p = static_cast<char*>(std::aligned_alloc(kHuge, rounded));
+  char* p = static_cast<char*>(std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge));
 #if defined(MADV_HUGEPAGE)
-  if (p != nullptr) madvise(p, rounded, MADV_HUGEPAGE);
+  if (p != nullptr) madvise(p, bytes / kHuge * kHuge, MADV_HUGEPAGE);
 #endif
   return p;
 }

@@ -137,8 +137,10 @@ void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, 
         const int c1 = n < (p + (two ? 2 : 1)) * kP ? n : (p + (two ? 2 : 1)) * kP;
         for (int r = rb; r < re; ++r) {
           float* yr = y + static_cast<int64_t>(r) * n;
-          const float* s = sums + (r - rb) * 2 * kP - p * kP;
-          for (int col = p * kP; col < c1; ++col) yr[col] = bias != nullptr ? s[col] + bias[col] : s[col];
+          const float* s = sums + (r - rb) * 2 * kP;
+          for (int col = p * kP; col < c1; ++col) {
+            yr[col] = bias != nullptr ? s[col - p * kP] + bias[col] : s[col - p * kP];
+          }
         }
       }
     }
