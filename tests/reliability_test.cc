@@ -136,14 +136,15 @@ TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   auto stalled_channel = grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args);
   auto stalled_stub = v1::GenerationService::NewStub(stalled_channel);
   grpc::ClientContext stalled_ctx;
-  // 20 alternatives a token: each token's message is some 200 bytes, so a few fill the window.
-  v1::GenerateRequest stalled_request = TokenRequest({9, 8, 7}, 1800);
+  // 20 alternatives a token: some 200 bytes of message a token.
+  v1::GenerateRequest stalled_request = TokenRequest({9, 8, 7}, 2040);
   stalled_request.set_logprobs(20);
   auto reader = stalled_stub->GenerateStream(&stalled_ctx, stalled_request);
   const auto t0 = std::chrono::steady_clock::now();
-  // Held once 50 tokens (some 10 KB for a 1 KB window) are out: the writes have stalled, and the
-  // request is still in the engine when the timeout strikes, however fast the machine generates.
-  HoldAfterTokens(*server, 50, 1800);
+  // Held once 1,200 tokens (some 240 KB, past the 1 KB window and what gRPC buffers beyond it) are
+  // out: a write is pending, and the request is still in the engine when the timeout strikes,
+  // however fast the machine generates.
+  HoldAfterTokens(*server, 1200, 2040);
 
   // Meanwhile the server serves others.
   const Collected other = Stream(*Stub(*server), TokenRequest({1, 2}, 10));
@@ -165,15 +166,15 @@ TEST(FaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
   // Generation for it stopped: it left the engine (no block held, nothing running) before its end.
   const double tokens = Metric(m, "relgen_generation_tokens_total");
-  EXPECT_LT(tokens, 1800 + 10) << "the stalled request must not run to its end";
+  EXPECT_LT(tokens, 2040 + 10) << "the stalled request must not run to its end";
 
   // The client, reading at last, gets what was sent before the stall and then CANCELLED.
   v1::GenerateStreamResponse msg;
   int received = 0;
   while (reader->Read(&msg)) received += msg.token_ids_size();
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_LT(received, 1800);
-  std::printf("never-read stream: cancelled %.1f s after it started (timeout 1 s), %.0f of 1800 tokens generated, %d delivered\n",
+  EXPECT_LT(received, 2040);
+  std::printf("never-read stream: cancelled %.1f s after it started (timeout 1 s), %.0f of 2040 tokens generated, %d delivered\n",
               waited, tokens, received);
   // The watchdog is still alive: the server drains and exits promptly.
   server->Signal(SIGTERM);
@@ -339,9 +340,10 @@ TEST(HttpFaultTest, AStreamThatIsNeverReadIsCancelledAfterTheWriteTimeout) {
   RawHttp stalled(server->http_port(), 4096);
   ASSERT_TRUE(stalled.Send(PostCompletion(CompletionJson(
       model, R"("prompt": [9, 8, 7], "max_tokens": 2000, "n": 16, "logprobs": 20, "ignore_eos": true, "stream": true)"))));
-  // Held once 1,600 tokens (megabytes of events) are out: the writes have stalled, and the samples
-  // are still in the engine when the timeout strikes, however fast the machine generates.
-  HoldAfterTokens(*server, 1600, 16 * 2000);
+  // Held once 3,200 tokens (megabytes of events, far past the buffers) are out: a write is
+  // pending, and the samples are still in the engine when the timeout strikes, however fast the
+  // machine generates.
+  HoldAfterTokens(*server, 3200, 16 * 2000);
   auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
     return Metric(m, "relgen_stream_write_timeouts_total") == 1 &&
            Metric(m, "relgen_requests_total{finish_reason=\"cancelled\"}") == 16 &&
