@@ -112,15 +112,22 @@ TEST(FaultTest, MalformedAndOversizedMessagesAreRefusedAndTheServerGoesOn) {
 
 // ------------------------------------------------------------------ a client that never reads
 
-// Holds the engine (test hooks) once `tokens` are generated, waits for the stream write timeout,
-// and lets it go on: the stalled request is still in the engine when the timeout strikes, whatever
-// the machine's speed (it generates far fewer than `total` tokens between a scrape and the hold).
+// Makes the stream write timeout strike while the stalled request is still in the engine, whatever
+// the machine's speed: on a slow machine it strikes while the request generates; on a fast one the
+// engine is held (test hooks) once `tokens` are out (far more than the transport buffers past the
+// window, so a write is pending) and released once the timeout is booked.
 void HoldAfterTokens(testing::ServerProcess& server, double tokens, double total) {
-  const auto generated = [&] {
-    return Metric(testing::ParseMetrics(testing::Scrape(server.metrics_port())), "relgen_generation_tokens_total");
-  };
-  for (int i = 0; i < 120000 && generated() < tokens; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::map<std::string, double> m;
+  const auto timeouts = [&] { return Metric(m, "relgen_stream_write_timeouts_total"); };
+  const auto generated = [&] { return Metric(m, "relgen_generation_tokens_total"); };
+  for (int i = 0; i < 120000; ++i) {
+    m = testing::ParseMetrics(testing::Scrape(server.metrics_port()));
+    if (timeouts() >= 1 || generated() >= tokens) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (timeouts() >= 1) return;
   ASSERT_TRUE(testing::PauseEngine(server.metrics_port()));
+  m = testing::ParseMetrics(testing::Scrape(server.metrics_port()));
   ASSERT_LT(generated(), total) << "the request ran to its end before the engine could be held";
   WaitForMetrics(server.metrics_port(), [](const auto& m) { return Metric(m, "relgen_stream_write_timeouts_total") == 1; });
   ASSERT_TRUE(testing::ResumeEngine(server.metrics_port()));
