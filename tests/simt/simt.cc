@@ -77,6 +77,8 @@ struct CUevent_st {
 struct cublasContext {
   cudaStream_t stream = nullptr;
   cublasMath_t math = CUBLAS_DEFAULT_MATH;
+  void* workspace = nullptr;  // cublasSetWorkspace's (null: none set)
+  size_t workspace_bytes = 0;
 };
 
 namespace simt {
@@ -1478,9 +1480,46 @@ bool Overlap(const void* a, size_t an, const void* b, size_t bn) {
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
   return an > 0 && bn > 0 && x < y + bn && y < x + an;
 }
+// A and B are float32, or bf16 bits with `bf16`; C is float32.
 cublasStatus_t Gemm(cudaStream_t stream, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float al,
-                    const float* A, int lda, long long sa, const float* B, int ldb, long long sb, float be, float* C,
-                    int ldc, long long sc, int batch);
+                    const void* A, int lda, long long sa, const void* B, int ldb, long long sb, float be, float* C,
+                    int ldc, long long sc, int batch, bool bf16);
+// The checks every GEMM entry point makes before it runs or is recorded: INVALID_VALUE as cuBLAS
+// answers it, SUCCESS with *run false for an empty problem.
+cublasStatus_t CheckGemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                         const void* alpha, int lda, int ldb, const void* beta, int ldc, int batch, bool* run) {
+  *run = false;
+  if (!HandleValid(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  auto op_ok = [](cublasOperation_t o) {
+    return o == CUBLAS_OP_N || o == CUBLAS_OP_T || o == CUBLAS_OP_C;
+  };
+  if (!op_ok(ta) || !op_ok(tb) || m < 0 || n < 0 || k < 0 || batch < 0)
+    return CUBLAS_STATUS_INVALID_VALUE;
+  const int a_rows = ta == CUBLAS_OP_N ? m : k;
+  const int b_rows = tb == CUBLAS_OP_N ? k : n;
+  if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldc < std::max(1, m)) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
+  if (simt::Sticky() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+  *run = true;
+  return CUBLAS_STATUS_SUCCESS;
+}
+// Runs the checked GEMM on the handle's stream, or records it into the stream's capture: there
+// only on a handle with a workspace of its own (cuBLAS would allocate one, which no capture holds).
+cublasStatus_t Submit(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float al,
+                      const void* A, int lda, long long sa, const void* B, int ldb, long long sb, float be, float* C,
+                      int ldc, long long sc, int batch, bool bf16) {
+  const cudaStream_t stream = handle->stream;
+  if (simt::Capturing(stream)) {
+    if (handle->workspace == nullptr) return CUBLAS_STATUS_NOT_SUPPORTED;
+    simt::Record(stream, [=](cudaStream_t s) { Gemm(s, ta, tb, m, n, k, al, A, lda, sa, B, ldb, sb, be, C, ldc, sc, batch, bf16); });
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  simt::CountHostLaunch();
+  return Gemm(stream, ta, tb, m, n, k, al, A, lda, sa, B, ldb, sb, be, C, ldc, sc, batch, bf16);
+}
 }  // namespace
 
 cublasStatus_t cublasCreate(cublasHandle_t* handle) {
@@ -1512,69 +1551,104 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode) {
   return CUBLAS_STATUS_SUCCESS;
 }
 
+cublasStatus_t cublasSetWorkspace(cublasHandle_t handle, void* workspace, size_t workspace_bytes) {
+  if (!HandleValid(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (workspace == nullptr ? workspace_bytes != 0 : !simt::InDeviceMemory(workspace, workspace_bytes)) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  handle->workspace = workspace;
+  handle->workspace_bytes = workspace_bytes;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_t ta,
                                          cublasOperation_t tb, int m, int n, int k,
                                          const float* alpha, const float* A, int lda, long long sa,
                                          const float* B, int ldb, long long sb, const float* beta,
                                          float* C, int ldc, long long sc, int batch) {
-  if (!HandleValid(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
-  auto op_ok = [](cublasOperation_t o) {
-    return o == CUBLAS_OP_N || o == CUBLAS_OP_T || o == CUBLAS_OP_C;
-  };
-  if (!op_ok(ta) || !op_ok(tb) || m < 0 || n < 0 || k < 0 || batch < 0)
-    return CUBLAS_STATUS_INVALID_VALUE;
-  const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
-  const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
-  if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldc < std::max(1, m)) {
-    return CUBLAS_STATUS_INVALID_VALUE;
+  bool run = false;
+  if (const cublasStatus_t st = CheckGemm(handle, ta, tb, m, n, k, alpha, lda, ldb, beta, ldc, batch, &run);
+      st != CUBLAS_STATUS_SUCCESS || !run) {
+    return st;
   }
-  if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
-  if (simt::Sticky() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
-  const float al = *alpha, be = *beta;  // host pointer mode: read now, as cuBLAS does
-  const cudaStream_t stream = handle->stream;
-  if (simt::Capturing(stream)) {
-    simt::Record(stream, [=](cudaStream_t s) { Gemm(s, ta, tb, m, n, k, al, A, lda, sa, B, ldb, sb, be, C, ldc, sc, batch); });
-    return CUBLAS_STATUS_SUCCESS;
+  // Host pointer mode: alpha and beta are read now, as cuBLAS does.
+  return Submit(handle, ta, tb, m, n, k, *alpha, A, lda, sa, B, ldb, sb, *beta, C, ldc, sc, batch, false);
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                          int n, int k, const void* alpha, const void* A, cudaDataType at, int lda,
+                                          long long sa, const void* B, cudaDataType bt, int ldb, long long sb,
+                                          const void* beta, void* C, cudaDataType ct, int ldc, long long sc,
+                                          int batch, cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+  bool run = false;
+  if (const cublasStatus_t st = CheckGemm(handle, ta, tb, m, n, k, alpha, lda, ldb, beta, ldc, batch, &run);
+      st != CUBLAS_STATUS_SUCCESS) {
+    return st;
   }
-  simt::CountHostLaunch();
-  return Gemm(stream, ta, tb, m, n, k, al, A, lda, sa, B, ldb, sb, be, C, ldc, sc, batch);
+  const bool bf16 = at == CUDA_R_16BF;
+  const bool types = at == bt && (at == CUDA_R_32F || bf16) && ct == CUDA_R_32F &&
+                     (compute == CUBLAS_COMPUTE_32F || (!bf16 && compute == CUBLAS_COMPUTE_32F_PEDANTIC));
+  if (!types || (algo != CUBLAS_GEMM_DEFAULT && algo != CUBLAS_GEMM_DEFAULT_TENSOR_OP)) {
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  if (!run) return CUBLAS_STATUS_SUCCESS;
+  // With a float32 compute type alpha and beta are floats.
+  return Submit(handle, ta, tb, m, n, k, *static_cast<const float*>(alpha), A, lda, sa, B, ldb, sb,
+                *static_cast<const float*>(beta), static_cast<float*>(C), ldc, sc, batch, bf16);
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void* alpha, const void* A, cudaDataType at, int lda, const void* B, cudaDataType bt,
+                            int ldb, const void* beta, void* C, cudaDataType ct, int ldc, cublasComputeType_t compute,
+                            cublasGemmAlgo_t algo) {
+  return cublasGemmStridedBatchedEx(handle, ta, tb, m, n, k, alpha, A, at, lda, 0, B, bt, ldb, 0, beta, C, ct, ldc,
+                                    0, 1, compute, algo);
 }
 
 namespace {
 // The reference GEMM on `stream`, arguments already checked.
 cublasStatus_t Gemm(cudaStream_t stream, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float al,
-                    const float* A, int lda, long long sa, const float* B, int ldb, long long sb, float be, float* C,
-                    int ldc, long long sc, int batch) {
+                    const void* A, int lda, long long sa, const void* B, int ldb, long long sb, float be, float* C,
+                    int ldc, long long sc, int batch, bool bf16) {
   if (simt::Sticky() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
   const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
   const uintptr_t touched[] = {reinterpret_cast<uintptr_t>(A), reinterpret_cast<uintptr_t>(B),
                                reinterpret_cast<uintptr_t>(C)};
-  if (!simt::CheckStreamOrder("cublasSgemm", stream, touched, 3)) {
+  const char* const name = bf16 ? "cublasGemmEx" : "cublasSgemm";
+  const size_t esize = bf16 ? sizeof(uint16_t) : sizeof(float);
+  // Element i of a matrix, widened (bf16 exactly) to float.
+  auto at = [&](const void* base, size_t i) {
+    if (!bf16) return static_cast<const float*>(base)[i];
+    const uint32_t u = uint32_t{static_cast<const uint16_t*>(base)[i]} << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  };
+  if (!simt::CheckStreamOrder(name, stream, touched, 3)) {
     return CUBLAS_STATUS_EXECUTION_FAILED;
   }
   for (int e = 0; e < batch; ++e) {
-    const float* a = A + e * sa;
-    const float* b = B + e * sb;
+    const void* a = static_cast<const char*>(A) + e * sa * static_cast<long long>(esize);
+    const void* b = static_cast<const char*>(B) + e * sb * static_cast<long long>(esize);
     float* c = C + e * sc;
     const bool reads_ab = k > 0 && al != 0.f;
     const size_t an = reads_ab ? Span(a_rows, a_cols, lda) : 0,
                  bn = reads_ab ? Span(b_rows, b_cols, ldb) : 0;
     const size_t cn = Span(m, n, ldc);
     std::string bad;
-    if (an > 0 && !simt::InDeviceMemory(a, an * sizeof(float)))
+    if (an > 0 && !simt::InDeviceMemory(a, an * esize))
       bad = "A is not inside one device allocation";
-    if (bn > 0 && !simt::InDeviceMemory(b, bn * sizeof(float)))
+    if (bn > 0 && !simt::InDeviceMemory(b, bn * esize))
       bad = "B is not inside one device allocation";
     if (!simt::InDeviceMemory(c, cn * sizeof(float))) bad = "C is not inside one device allocation";
-    if (bad.empty() && (Overlap(c, cn * sizeof(float), a, an * sizeof(float)) ||
-                        Overlap(c, cn * sizeof(float), b, bn * sizeof(float)))) {
+    if (bad.empty() && (Overlap(c, cn * sizeof(float), a, an * esize) ||
+                        Overlap(c, cn * sizeof(float), b, bn * esize))) {
       bad = "C overlaps A or B";
     }
     if (!bad.empty()) {
       simt::SetSticky(cudaErrorIllegalAddress,
-                      "cublasSgemm m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                      std::string(name) + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                           " k=" + std::to_string(k) + " lda=" + std::to_string(lda) + " ldb=" +
                           std::to_string(ldb) + " ldc=" + std::to_string(ldc) + ": " + bad);
       return CUBLAS_STATUS_EXECUTION_FAILED;
@@ -1584,10 +1658,10 @@ cublasStatus_t Gemm(cudaStream_t stream, cublasOperation_t ta, cublasOperation_t
         double s = 0;
         if (reads_ab) {
           for (int p = 0; p < k; ++p) {
-            const float av = ta == CUBLAS_OP_N ? a[static_cast<size_t>(p) * lda + i]
-                                               : a[static_cast<size_t>(i) * lda + p];
-            const float bv = tb == CUBLAS_OP_N ? b[static_cast<size_t>(j) * ldb + p]
-                                               : b[static_cast<size_t>(p) * ldb + j];
+            const float av = ta == CUBLAS_OP_N ? at(a, static_cast<size_t>(p) * lda + i)
+                                               : at(a, static_cast<size_t>(i) * lda + p);
+            const float bv = tb == CUBLAS_OP_N ? at(b, static_cast<size_t>(j) * ldb + p)
+                                               : at(b, static_cast<size_t>(p) * ldb + j);
             s += static_cast<double>(av) * bv;
           }
         }

@@ -319,6 +319,90 @@ TEST(SimtTest, SgemmHonoursTransposesAndLeadingDimensions) {
             CUBLAS_STATUS_NOT_INITIALIZED);
 }
 
+uint16_t Bf16Bits(float f) {  // nearest even (these test values are finite)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+float FromBf16(uint16_t h) {
+  const uint32_t u = uint32_t{h} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// GemmEx with bf16 A and B, float32 C and accumulation, strided batches: against a direct
+// evaluation over the bf16 operands; the type combinations cuBLAS has no kernel for are refused.
+TEST(SimtTest, GemmExMultipliesBf16IntoFloat) {
+  cublasHandle_t h = nullptr;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  const int m = 6, n = 3, k = 5, batch = 2;
+  for (cublasOperation_t ta : {CUBLAS_OP_N, CUBLAS_OP_T}) {
+    const int ar = ta == CUBLAS_OP_N ? m : k, ac = ta == CUBLAS_OP_N ? k : m;
+    const int lda = ar + 1, ldb = k + 2, ldc = m + 1;
+    const long long sa = int64_t{lda} * ac + 3, sb = 0, sc = int64_t{ldc} * n;
+    std::vector<uint16_t> a(sa * batch), b(ldb * n);
+    for (size_t i = 0; i < a.size(); ++i) a[i] = Bf16Bits(0.3f * static_cast<float>(i % 11) - 1.37f);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = Bf16Bits(0.71f * static_cast<float>(i % 7) - 2.1f);
+    std::vector<float> c(sc * batch);
+    for (size_t i = 0; i < c.size(); ++i) c[i] = 0.5f * static_cast<float>(i % 9);
+    uint16_t* da = Upload(a);
+    uint16_t* db = Upload(b);
+    float* dc = Upload(c);
+    const float alpha = 0.75f, beta = 1.f;
+    ASSERT_EQ(cublasGemmStridedBatchedEx(h, ta, CUBLAS_OP_N, m, n, k, &alpha, da, CUDA_R_16BF, lda, sa, db,
+                                         CUDA_R_16BF, ldb, sb, &beta, dc, CUDA_R_32F, ldc, sc, batch,
+                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              CUBLAS_STATUS_SUCCESS);
+    const std::vector<float> got = Download(dc, c.size());
+    for (int e = 0; e < batch; ++e) {
+      for (int j = 0; j < n; ++j) {
+        for (int i = 0; i < m; ++i) {
+          double s = 0;
+          for (int p = 0; p < k; ++p) {
+            const uint16_t av = ta == CUBLAS_OP_N ? a[e * sa + p * lda + i] : a[e * sa + i * lda + p];
+            s += double{FromBf16(av)} * FromBf16(b[j * ldb + p]);
+          }
+          const size_t at = e * sc + j * ldc + i;
+          EXPECT_NEAR(got[at], alpha * s + c[at], 1e-5) << ta << " " << e << " " << i << "," << j;
+        }
+      }
+    }
+    // Mixed operand types, a bf16 output, or a half-precision compute type: no kernel.
+    EXPECT_EQ(cublasGemmEx(h, ta, CUBLAS_OP_N, m, n, k, &alpha, da, CUDA_R_16BF, lda, dc, CUDA_R_32F, ldb, &beta, dc,
+                           CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              CUBLAS_STATUS_NOT_SUPPORTED);
+    EXPECT_EQ(cublasGemmEx(h, ta, CUBLAS_OP_N, m, n, k, &alpha, da, CUDA_R_16BF, lda, db, CUDA_R_16BF, ldb, &beta, dc,
+                           CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              CUBLAS_STATUS_NOT_SUPPORTED);
+    EXPECT_EQ(cublasGemmEx(h, ta, CUBLAS_OP_N, m, n, k, &alpha, da, CUDA_R_16BF, lda, db, CUDA_R_16BF, ldb, &beta, dc,
+                           CUDA_R_32F, ldc, CUBLAS_COMPUTE_16F, CUBLAS_GEMM_DEFAULT),
+              CUBLAS_STATUS_NOT_SUPPORTED);
+    EXPECT_EQ(cublasGemmEx(h, ta, CUBLAS_OP_N, m, n, k, &alpha, da, CUDA_R_16BF, ar - 1, db, CUDA_R_16BF, ldb, &beta,
+                           dc, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              CUBLAS_STATUS_INVALID_VALUE);
+    cudaFree(da);
+    cudaFree(db);
+    cudaFree(dc);
+  }
+  // B's bf16 span past its allocation is an illegal address (counted in 2-byte elements).
+  uint16_t* small = Upload(std::vector<uint16_t>(4, Bf16Bits(1.f)));
+  float* dc = Upload(std::vector<float>(4, 0.f));
+  const float one = 1.f, zero = 0.f;
+  EXPECT_EQ(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &one, small, CUDA_R_16BF, 2, small, CUDA_R_16BF, 2,
+                         &zero, dc, CUDA_R_32F, 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(Download(dc, 4), (std::vector<float>{2.f, 2.f, 2.f, 2.f}));
+  EXPECT_EQ(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 4, &one, small, CUDA_R_16BF, 2, small, CUDA_R_16BF, 4,
+                         &zero, dc, CUDA_R_32F, 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            CUBLAS_STATUS_EXECUTION_FAILED);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress);
+  simt::ResetDevice();
+  cudaFree(small);
+  cudaFree(dc);
+  EXPECT_EQ(cublasDestroy(h), CUBLAS_STATUS_SUCCESS);
+}
+
 __global__ void DoubleKernel(float* p, int n) {
   const int i = threadIdx.x;
   if (i < n) p[i] *= 2.f;
@@ -445,6 +529,13 @@ TEST(SimtTest, GraphsCaptureAndReplay) {
   RELGEN_LAUNCH(DoubleKernel, 1, 2048, 0, work)(d, 32);  // refused at capture, not recorded
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
   float alpha = 2.f, zero = 0.f;
+  // A GEMM captured on a handle without a workspace of its own is refused (cuBLAS would allocate
+  // one, which the graph cannot hold), and not recorded.
+  EXPECT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &alpha, a, 2, a, 2, &zero, c, 2),
+            CUBLAS_STATUS_NOT_SUPPORTED);
+  float* workspace = Upload(std::vector<float>(256, 0.f));
+  EXPECT_EQ(cublasSetWorkspace(h, workspace, 2048), CUBLAS_STATUS_INVALID_VALUE) << "past its allocation";
+  ASSERT_EQ(cublasSetWorkspace(h, workspace, 1024), CUBLAS_STATUS_SUCCESS);
   ASSERT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &alpha, a, 2, a, 2, &zero, c, 2), CUBLAS_STATUS_SUCCESS);
   alpha = 100.f;  // read at capture
   RELGEN_LAUNCH(DoubleKernel, 1, 32, 0, work)(d, 32);
@@ -500,7 +591,7 @@ TEST(SimtTest, GraphsCaptureAndReplay) {
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   cudaGetLastError();
   cublasDestroy(h);
-  for (float* p : {a, c, d}) cudaFree(p);
+  for (float* p : {a, c, d, workspace}) cudaFree(p);
   cudaStreamDestroy(work);
 }
 

@@ -1,6 +1,8 @@
-// Stand-in for cuBLAS on relgen's SIMT emulator (tests/simt): handles, streams, math mode and a
-// reference SGEMM (column-major, every transpose and leading dimension) that validates its
-// arguments as cuBLAS does and checks every matrix lies inside one live device allocation.
+// Stand-in for cuBLAS on relgen's SIMT emulator (tests/simt): handles, streams, math mode, the
+// workspace, and a reference GEMM (column-major, every transpose and leading dimension; float32,
+// or GemmEx's bf16 operands with float32 output and accumulation) that validates its arguments as
+// cuBLAS does and checks every matrix lies inside one live device allocation. Sums are float64,
+// one rounding to float: any order cuBLAS picks is within float accumulation of it.
 #pragma once
 
 #include "cuda_runtime.h"
@@ -28,6 +30,18 @@ enum cublasMath_t {
   CUBLAS_TF32_TENSOR_OP_MATH = 3,
 };
 
+// library_types.h's (the values cuBLAS's headers give them).
+enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14 };
+typedef cudaDataType_t cudaDataType;
+enum cublasComputeType_t {
+  CUBLAS_COMPUTE_16F = 64,
+  CUBLAS_COMPUTE_32F = 68,
+  CUBLAS_COMPUTE_32F_PEDANTIC = 69,
+  CUBLAS_COMPUTE_32F_FAST_16BF = 75,
+  CUBLAS_COMPUTE_32F_FAST_TF32 = 77,
+};
+enum cublasGemmAlgo_t { CUBLAS_GEMM_DEFAULT = -1, CUBLAS_GEMM_DEFAULT_TENSOR_OP = 99 };
+
 cublasStatus_t cublasCreate(cublasHandle_t* handle);
 cublasStatus_t cublasDestroy(cublasHandle_t handle);
 cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream);
@@ -42,3 +56,18 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_
                                          long long strideA, const float* B, int ldb,
                                          long long strideB, const float* beta, float* C, int ldc,
                                          long long strideC, int batch);
+// The device memory cuBLAS may use as scratch. cuBLAS allocates its own when none is set, which a
+// stream capture cannot record: the emulator refuses a GEMM captured on a handle without one.
+cublasStatus_t cublasSetWorkspace(cublasHandle_t handle, void* workspace, size_t workspace_bytes);
+// A, B: CUDA_R_32F or CUDA_R_16BF (the same type); C: CUDA_R_32F; compute CUBLAS_COMPUTE_32F
+// (CUBLAS_COMPUTE_32F_PEDANTIC with float32 operands). Anything else: CUBLAS_STATUS_NOT_SUPPORTED.
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                            int k, const void* alpha, const void* A, cudaDataType Atype, int lda, const void* B,
+                            cudaDataType Btype, int ldb, const void* beta, void* C, cudaDataType Ctype, int ldc,
+                            cublasComputeType_t computeType, cublasGemmAlgo_t algo);
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                                          int m, int n, int k, const void* alpha, const void* A, cudaDataType Atype,
+                                          int lda, long long strideA, const void* B, cudaDataType Btype, int ldb,
+                                          long long strideB, const void* beta, void* C, cudaDataType Ctype, int ldc,
+                                          long long strideC, int batchCount, cublasComputeType_t computeType,
+                                          cublasGemmAlgo_t algo);
