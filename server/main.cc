@@ -75,8 +75,9 @@ ABSL_FLAG(std::string, kv_cache_dtype, "auto",
 ABSL_FLAG(std::string, cuda_gemm, "auto",
           "the CUDA backend's projections: auto (invariant, until a GPU has timed mma), invariant (relgen's float32 "
           "kernel: a row's bits never depend on the rows batched with it; bias, activation and residual in the same "
-          "launch), cublas (cuBLAS SGEMM: faster long prefills, rows may change with the batch) or mma (tensor cores "
-          "over bf16 weights, activations rounded to bf16, rows batch invariant)");
+          "launch), cublas (cuBLAS: bf16 weights on its tensor-core GEMM with activations rounded to bf16, float32 "
+          "weights by SGEMM; fast prefills, but a row's bits may change with the rows batched with it) or mma (relgen's "
+          "tensor-core kernel over bf16 weights, activations rounded to bf16, rows batch invariant)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_encoder_tokens, 2048,

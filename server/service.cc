@@ -661,6 +661,8 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   info->set_device(st.device);
   info->set_compute_weights_dtype(st.weights_dtype);
   info->set_kv_cache_dtype(st.kv_cache_dtype);
+  info->set_projections(st.projections);
+  info->set_batch_invariant(st.batch_invariant);
   info->set_max_new_tokens_limit(options_.max_new_tokens);
   info->set_kv_cache_tokens(int64_t{st.kv_blocks_total} * engine->config().scheduler.block_size);
   r->Finish(grpc::Status::OK);

@@ -452,6 +452,17 @@ TEST_P(CudaParityTest, Bf16WeightsMatchCpuTwin) {
   EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0) << GetParam();
 }
 
+// The same logits: bitwise on the emulator (its GEMM sums each element in one order whatever the
+// shape); within float rounding on a GPU, where cuBLAS may pick another kernel for another shape.
+void ExpectSameLogits(const float* got, const float* want, int rows, int vocab, const std::string& what) {
+  if (kEmulated) {
+    EXPECT_EQ(std::memcmp(got, want, sizeof(float) * rows * vocab), 0) << what;
+    return;
+  }
+  const std::vector<double> w(want, want + int64_t{rows} * vocab);
+  testing::ExpectRowsClose(got, w.data(), rows, vocab, 1e-5, what);
+}
+
 // The largest over rows of max |a - b| / max |b| in the row.
 double WorstRowError(const std::vector<float>& a, const std::vector<float>& b, int cols) {
   double worst = 0;
@@ -476,15 +487,20 @@ double WorstRowError(const std::vector<float>& a, const std::vector<float>& b, i
 // the twin's distance from float32 activations (plain), measured here, bounds the tensor cores'
 // distance from the twin. `run` gives a backend's logits for a case; the tensor cores' go to
 // `got_out` when given. `some_rows_equal`: on the emulator some row equals the twin's bit for bit
-// (not where k is split into ranges, which the CPU sums in one chain).
+// (not where k is split into ranges, which the CPU sums in one chain). `cublas`: cuBLAS's bf16 GEMM
+// (--cuda_gemm cublas, bf16 weights) in place of relgen's tensor-core kernel: the same rounded
+// operands and exact products, the sums in an order cuBLAS picks per shape (on the emulator, in
+// float64 then rounded once).
 template <typename Case, typename Run>
 void ExpectTensorCoresMatchTheCpuTwin(const std::shared_ptr<const Model>& model, std::vector<Case> cases, int blocks,
                                       const std::string& what, Run run,
-                                      std::vector<std::vector<float>>* got_out = nullptr, bool some_rows_equal = true) {
+                                      std::vector<std::vector<float>>* got_out = nullptr, bool some_rows_equal = true,
+                                      bool cublas = false) {
   CudaOptions o;
   o.num_blocks = blocks;
   o.weight_type = cpu::WeightType::kBf16;
-  o.tensor_cores = true;
+  o.tensor_cores = !cublas;
+  o.cublas_gemms = cublas;
   auto backend = NewCudaBackend(model, o);
   ASSERT_TRUE(backend.ok()) << backend.status();
   const KvCacheConfig kv{o.block_size, blocks};
@@ -528,6 +544,23 @@ TEST_P(CudaParityTest, TensorCoresMatchTheCpuTwin) {
   ASSERT_EQ(cuda_runs.size(), 2u);
   EXPECT_EQ(std::memcmp(cuda_runs[0].data(), cuda_runs[1].data(), cuda_runs[0].size() * sizeof(float)), 0)
       << GetParam();
+}
+
+// cuBLAS's bf16 GEMM on the goldens, whole and token by token, against the same twin and bound. Its
+// rows are not batch invariant on a GPU; on the emulator, whose GEMM sums every element in one
+// order whatever the shape, prefill equals decode bit for bit.
+TEST_P(CudaParityTest, CublasBf16MatchesTheCpuTwin) {
+  REQUIRE_GPU();
+  const std::string dir = testing::GoldenDir() + "/" + GetParam();
+  auto model = *Model::Load(dir);
+  const Golden g = LoadGolden(dir, 17);
+  std::vector<std::vector<float>> runs;
+  ExpectTensorCoresMatchTheCpuTwin(
+      model, std::vector<int>{17, 1}, 64, GetParam() + " (cublas bf16)",
+      [&](Backend& b, int chunk, const std::string&) { return ForwardInChunks(b, g.tokens, chunk); }, &runs,
+      /*some_rows_equal=*/false, /*cublas=*/true);
+  ASSERT_EQ(runs.size(), 2u);
+  ExpectSameLogits(runs[0].data(), runs[1].data(), 17, model->config().vocab_size, GetParam() + " prefill vs decode");
 }
 
 // A wider model (d 256, ffn 1024, head_dim 64), whose down projection splits k into two ranges
@@ -610,17 +643,6 @@ GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaHfTest);
 // its greedy tokens; a decoder chunk (what a preempted sequence recomputes) equal to step by step;
 // the inputs encoded together in one step, then decoded together, equal to each alone.
 class CudaT5Test : public ::testing::TestWithParam<std::string> {};
-
-// The same logits: bitwise on the emulator (its GEMM sums each element in one order whatever the
-// shape); within float rounding on a GPU, where cuBLAS may pick another kernel for another shape.
-void ExpectSameLogits(const float* got, const float* want, int rows, int vocab, const std::string& what) {
-  if (kEmulated) {
-    EXPECT_EQ(std::memcmp(got, want, sizeof(float) * rows * vocab), 0) << what;
-    return;
-  }
-  const std::vector<double> w(want, want + int64_t{rows} * vocab);
-  testing::ExpectRowsClose(got, w.data(), rows, vocab, 1e-5, what);
-}
 
 TEST_P(CudaT5Test, MatchesTransformers) {
   REQUIRE_GPU();
@@ -1991,7 +2013,7 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     EXPECT_EQ((*backend)->device(), "simt-emulator:0") << device;
   }
   EXPECT_FALSE(NewBackend(model, DeviceOptions{"cuda:1", 1024}).ok());
-  // int8 weights are the CPU's alone; bf16 weights need relgen's projection kernel.
+  // int8 weights are the CPU's alone; bf16 weights go through any of the three projection paths.
   {
     DeviceOptions o{"cuda", 1024};
     o.weights_dtype = "int8";
@@ -2000,9 +2022,10 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     EXPECT_NE(refused.status().message().find("stores f32 or bf16 weights"), absl::string_view::npos) << refused.status();
     o.weights_dtype = "bf16";
     o.cuda_gemm = "cublas";
-    const auto refused2 = NewBackend(model, o);
-    EXPECT_EQ(refused2.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(refused2.status().message().find("--cuda_gemm invariant"), absl::string_view::npos) << refused2.status();
+    const auto taken = NewBackend(model, o);
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    EXPECT_EQ((*taken)->weights_dtype(), "bf16");
+    EXPECT_EQ((*taken)->projections(), "cublas bf16 tensor-core projections, not batch invariant");
     DeviceOptions bad_split{"cuda", 1024};
     bad_split.cuda_split_keys = 0;
     const auto refused3 = NewBackend(model, bad_split);
@@ -2300,6 +2323,75 @@ TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
   const simt::Counters n = simt::GetCounters();
   EXPECT_EQ(n.host_launches, 1 + 12 * c.n_layers + 3);
   EXPECT_EQ(n.launches + n.gemms - n.host_launches, 2 * c.n_layers);
+
+  // cuBLAS over bf16 weights: each GEMM's input rounded to bf16 by a launch of its own, then GemmEx
+  // (4 per layer and the LM head). The decode graph captures them on the backend's own cuBLAS
+  // workspace (the emulator refuses a GEMM captured without one) and replays the same bits.
+  CudaOptions bf16_direct = cublas_opts;
+  bf16_direct.weight_type = cpu::WeightType::kBf16;
+  CudaOptions bf16_graphed = bf16_direct;
+  bf16_graphed.graphs = true;
+  auto direct16 = NewCudaBackend(model, bf16_direct);
+  auto graphed16 = NewCudaBackend(model, bf16_graphed);
+  ASSERT_TRUE(direct16.ok() && graphed16.ok()) << direct16.status() << graphed16.status();
+  EXPECT_EQ((*graphed16)->projections(), "cublas bf16 tensor-core projections, not batch invariant");
+  std::vector<float> p16, q16;
+  ASSERT_TRUE((*direct16)->Forward({&prefill, 1}, &p16).ok());
+  ASSERT_TRUE((*graphed16)->Forward({&prefill, 1}, &q16).ok());
+  for (int i = 0; i < 3; ++i) {
+    SequenceStep st{absl::MakeConstSpan(a).subspan(len_a + i, 1), len_a + i, table_a, false};
+    simt::ResetCounters();
+    ASSERT_TRUE((*direct16)->Forward({&st, 1}, &p16).ok());
+    const simt::Counters k = simt::GetCounters();
+    EXPECT_EQ(k.host_launches, 1 + 16 * c.n_layers + 4) << "step " << i;
+    EXPECT_EQ(k.gemms, 6 * c.n_layers + 1) << "step " << i;  // q, k, v (three), output, up, down; the head
+    simt::ResetCounters();
+    ASSERT_TRUE((*graphed16)->Forward({&st, 1}, &q16).ok());
+    const simt::Counters gr = simt::GetCounters();
+    EXPECT_EQ(gr.host_launches, 1) << "step " << i;
+    EXPECT_EQ(gr.graph_launches, 1) << "step " << i;
+    EXPECT_EQ(gr.gemms, k.gemms) << "step " << i;
+    EXPECT_EQ(gr.launch_errors + k.launch_errors, 0);
+    ASSERT_EQ(p16.size(), q16.size());
+    EXPECT_EQ(std::memcmp(p16.data(), q16.data(), p16.size() * sizeof(float)), 0) << "step " << i;
+  }
+}
+
+// A decode step of more rows than the largest step the backend was sized for grows its buffers,
+// the replayed graph's attention workspace (which spans max_seq_len keys) included: the same bits
+// as kernel by kernel.
+TEST(CudaEmulatorTest, DecodeRowsPastTheLargestStepReplayTheSameBits) {
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/server");
+  CudaOptions on;
+  on.num_blocks = 40;
+  on.max_step_tokens = 3;
+  on.max_step_seqs = 12;
+  CudaOptions off = on;
+  off.graphs = false;
+  auto graphed = NewCudaBackend(model, on);
+  auto direct = NewCudaBackend(model, off);
+  ASSERT_TRUE(graphed.ok() && direct.ok()) << graphed.status() << direct.status();
+  const int n = 12;
+  std::vector<std::vector<int32_t>> tokens(n), tables(n);
+  for (int i = 0; i < n; ++i) {
+    tokens[i] = {static_cast<int32_t>(7 * i + 1), static_cast<int32_t>(11 * i + 2), static_cast<int32_t>(i + 40),
+                 static_cast<int32_t>(3 * i + 5), static_cast<int32_t>(5 * i + 9)};
+    tables[i] = {3 * i, 3 * i + 1, 3 * i + 2};
+  }
+  std::vector<float> x, y;
+  for (int i = 0; i < n; ++i) {  // prompts of 3 tokens, one at a time (the largest step)
+    SequenceStep s{absl::MakeConstSpan(tokens[i]).subspan(0, 3), 0, tables[i], false};
+    ASSERT_TRUE((*graphed)->Forward({&s, 1}, &x).ok());
+    ASSERT_TRUE((*direct)->Forward({&s, 1}, &y).ok());
+  }
+  for (int pos = 3; pos < 5; ++pos) {
+    std::vector<SequenceStep> steps;
+    for (int i = 0; i < n; ++i) steps.push_back({absl::MakeConstSpan(tokens[i]).subspan(pos, 1), pos, tables[i], false});
+    ASSERT_TRUE((*graphed)->Forward(steps, &x).ok()) << pos;
+    ASSERT_TRUE((*direct)->Forward(steps, &y).ok()) << pos;
+    ASSERT_EQ(x.size(), y.size());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << "position " << pos;
+  }
 }
 
 // An encoder-decoder forward as the emulator counts it: the step that encodes an input runs the

@@ -795,7 +795,8 @@ TEST(DeviceOptionsTest, AutoPicksPerDeviceAndCheckpoint) {
            {"cuda:0", "auto", "auto", "auto", "bf16", "bf16", "invariant"},
            {"cuda", "f32", "auto", "auto", "f32", "bf16", "invariant"},
            {"cuda", "auto", "f32", "invariant", "bf16", "f32", "invariant"},
-           {"cuda", "auto", "auto", "cublas", "f32", "bf16", "cublas"},
+           {"cuda", "auto", "auto", "cublas", "bf16", "bf16", "cublas"},
+           {"cuda", "f32", "auto", "cublas", "f32", "bf16", "cublas"},
            {"cuda", "auto", "auto", "mma", "bf16", "bf16", "mma"},
            {"cpu", "auto", "auto", "auto", "f32", "f32", "invariant"},
            {"cpu", "bf16", "auto", "auto", "bf16", "f32", "invariant"},
@@ -813,12 +814,12 @@ TEST(DeviceOptionsTest, AutoPicksPerDeviceAndCheckpoint) {
     EXPECT_EQ(got->kv_cache_dtype, k.want_kv) << what;
     EXPECT_EQ(got->cuda_gemm, k.want_gemm) << what;
   }
-  // A bf16 checkpoint: bf16 on both devices; cuBLAS's float32 projections widen it.
+  // A bf16 checkpoint: bf16 on both devices, whichever kernel multiplies.
   auto bf16_model = *Model::Load(testing::GoldenDir() + "/shaw_values_long_range");
   ASSERT_EQ(bf16_model->file_dtype(), DType::kBF16);
   for (const auto& [device, gemm, weights, kv] :
        {std::tuple{"cpu", "auto", "bf16", "bf16"}, std::tuple{"cuda", "auto", "bf16", "bf16"},
-        std::tuple{"cuda", "mma", "bf16", "bf16"}, std::tuple{"cuda", "cublas", "f32", "bf16"}}) {
+        std::tuple{"cuda", "mma", "bf16", "bf16"}, std::tuple{"cuda", "cublas", "bf16", "bf16"}}) {
     DeviceOptions o;
     o.device = device;
     o.cuda_gemm = gemm;

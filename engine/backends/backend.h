@@ -65,6 +65,9 @@ class Backend {
   // How the projections multiply, for the startup line: e.g. "avx512-vnni int8 dot products",
   // "invariant projections".
   virtual std::string projections() const = 0;
+  // Whether a row's logits are the same bits whatever rows share its step (every backend but cuBLAS's
+  // projections, which pick their algorithm by the problem's shape).
+  virtual bool batch_invariant() const { return true; }
   // The paged KV pool the backend allocated at creation.
   virtual const KvCacheConfig& kv_cache() const = 0;
   // Runs the decoder over every step's tokens (one batch), writes their K/V into the pool and

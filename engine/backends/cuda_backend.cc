@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <memory>
+#include <thread>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -11,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/sampler_kernels.h"
 
@@ -106,8 +109,16 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t& e : answered_) RELGEN_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     RELGEN_CUBLAS_RETURN(cublasCreate(&cublas_));
     RELGEN_CUBLAS_RETURN(cublasSetStream(cublas_, stream_));
-    // Pedantic math: no TF32 in the float32 path, so results stay comparable with the CPU.
-    RELGEN_CUBLAS_RETURN(cublasSetMathMode(cublas_, CUBLAS_PEDANTIC_MATH));
+    // Pedantic math: no TF32 in the float32 path, so results stay comparable with the CPU. bf16
+    // operands are multiplied exactly into float32 sums either way; the default mode lets cuBLAS
+    // pick its tensor-core kernels for them.
+    RELGEN_CUBLAS_RETURN(cublasSetMathMode(cublas_, CublasBf16() ? CUBLAS_DEFAULT_MATH : CUBLAS_PEDANTIC_MATH));
+    if (options_.cublas_gemms) {
+      // A workspace of the backend's own: cuBLAS would otherwise allocate one itself, which a
+      // captured decode graph cannot hold.
+      if (absl::Status st = cublas_workspace_.Reserve(kCublasWorkspaceBytes); !st.ok()) return st;
+      RELGEN_CUBLAS_RETURN(cublasSetWorkspace(cublas_, cublas_workspace_.ptr, kCublasWorkspaceBytes));
+    }
     const ModelConfig& c = model_->config();
     std::unordered_map<std::string, int64_t> count;
     for (const TensorSpec& spec : ExpectedTensors(c)) {
@@ -116,6 +127,8 @@ class CudaBackend final : public Backend {
       count[spec.name] = n;
     }
     const bool bf16 = options_.weight_type == cpu::WeightType::kBf16;
+    upload_pool_ = std::make_unique<cpu::ThreadPool>(
+        static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u)));
     for (const TensorSpec& spec : ExpectedTensors(c)) {
       if (weights_.count(spec.name) > 0 || weights16_.count(spec.name) > 0) continue;  // placed beside its q
       const int64_t n = count[spec.name];
@@ -161,6 +174,7 @@ class CudaBackend final : public Backend {
     } else if (c.tie_embeddings) {
       weights_["lm_head.weight"] = weights_.at("embed.weight");
     }
+    upload_pool_.reset();
     // The largest step's buffers now, before the pool takes what is left.
     const StepShape largest = LargestStep();
     if (absl::Status st = ReserveStep(largest); !st.ok()) {
@@ -239,14 +253,19 @@ class CudaBackend final : public Backend {
   std::string weights_dtype() const override { return cpu::WeightTypeName(options_.weight_type); }
   std::string kv_cache_dtype() const override { return cpu::KvTypeName(options_.kv_type); }
   std::string projections() const override {
-    return options_.tensor_cores ? "mma projections" : options_.cublas_gemms ? "cublas projections" : "invariant projections";
+    if (options_.tensor_cores) return "mma projections";
+    if (CublasBf16()) return "cublas bf16 tensor-core projections, not batch invariant";
+    if (options_.cublas_gemms) return "cublas float32 projections, not batch invariant";
+    return "invariant projections";
   }
+  bool batch_invariant() const override { return !options_.cublas_gemms; }
   const KvCacheConfig& kv_cache() const override { return kv_; }
   BackendMemory memory() const override {
     BackendMemory m;
     m.weights = weight_bytes_;
     m.kv_cache = kv_bytes_;
-    for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_, &sample_,
+    for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_, &sample_, &x16_,
+                                  &cublas_workspace_,
                                   &slots_[0].answers, &slots_[1].answers}) {
       m.activations += static_cast<int64_t>(b->bytes);
     }
@@ -364,6 +383,7 @@ class CudaBackend final : public Backend {
             {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&qkv_, 3 * s.tokens * w},
             {&att_, s.tokens * w}, {&up_, s.tokens * f},
             {&gate_, s.tokens * f}, {&logits_d_, s.kept * c.vocab_size},
+            {&x16_, CublasBf16() ? (s.tokens * std::max({d, w, f}) + 1) / 2 : 0},
             {&work_, std::max(cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim,
                                                        s.max_keys, options_.attention_split_keys),
                               MmaWorkspace(s))}};
@@ -413,16 +433,25 @@ class CudaBackend final : public Backend {
   // `convert` into a host buffer of T: the host never holds more than a chunk of any matrix, and its
   // mapped pages leave resident memory once it is on the device.
   static constexpr int64_t kUploadChunk = int64_t{16} << 20;
+  // A chunk's rows are widened and converted on every host thread (upload_pool_): a 7B model's
+  // 13 GB are rounded to bf16 in seconds rather than a minute.
   template <typename T, typename Convert>
   absl::Status UploadRows(const StoredMatrix& m, T* dev, Convert convert) {
     const int64_t rows_per = std::max<int64_t>(1, kUploadChunk / static_cast<int64_t>(m.cols * sizeof(T)));
-    std::vector<float> row(static_cast<size_t>(m.cols));
     std::vector<T> chunk(static_cast<size_t>(std::min(rows_per, m.rows) * m.cols));
     for (int64_t r0 = 0; r0 < m.rows; r0 += rows_per) {
       const int64_t n = std::min(rows_per, m.rows - r0);
-      for (int64_t r = 0; r < n; ++r) {
-        m.Widen(r0 + r, 1, row.data());
-        for (int64_t c = 0; c < m.cols; ++c) chunk[r * m.cols + c] = convert(row[c]);
+      auto rows = [&](int begin, int end) {
+        std::vector<float> row(static_cast<size_t>(m.cols));
+        for (int64_t r = begin; r < end; ++r) {
+          m.Widen(r0 + r, 1, row.data());
+          for (int64_t c = 0; c < m.cols; ++c) chunk[r * m.cols + c] = convert(row[c]);
+        }
+      };
+      if (upload_pool_ != nullptr) {
+        upload_pool_->ParallelFor(static_cast<int>(n), rows);
+      } else {
+        rows(0, static_cast<int>(n));
       }
       RELGEN_CUDA_RETURN(cudaMemcpyAsync(dev + r0 * m.cols, chunk.data(), n * m.cols * sizeof(T),
                                          cudaMemcpyHostToDevice, stream_));
@@ -483,14 +512,35 @@ class CudaBackend final : public Backend {
       RELGEN_CUDA_RETURN(Project(x, rows, in, w + ".weight", out, W(w + ".bias"), act, residual, 1.f, y));
       return absl::OkStatus();
     }
-    const float one = 1.f, beta = residual ? 1.f : 0.f;
-    RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &one, W(w + ".weight"), in, x, in,
-                                     &beta, y, out));
+    if (auto st = Gemm(x, rows, in, w + ".weight", out, 1.f, residual ? 1.f : 0.f, y); !st.ok()) return st;
     const float* bias = W(w + ".bias");
     if (bias == nullptr && act < 0) return absl::OkStatus();  // nothing to launch for
     RELGEN_CUDA_RETURN(cuda::BiasActivate(y, rows, out, bias, act, stream_));
     return absl::OkStatus();
   }
+  // cuBLAS's y[z][rows, out] = alpha * x[rows, in] * W_z^T + beta * y[z] for z < batch, W_z the
+  // matrix `name` (+ z * w_stride elements) as stored: float32 by SGEMM, or bf16 by GemmEx over x
+  // rounded to bf16 (float32 sums, tensor cores). Row-major through column-major cuBLAS.
+  absl::Status Gemm(const float* x, int rows, int in, const std::string& name, int out, float alpha, float beta,
+                    float* y, int batch = 1, int64_t w_stride = 0, int64_t y_stride = 0) {
+    if (!CublasBf16()) {
+      RELGEN_CUBLAS_RETURN(cublasSgemmStridedBatched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, W(name), in,
+                                                     w_stride, x, in, 0, &beta, y, out, y_stride, batch));
+      return absl::OkStatus();
+    }
+    const auto it = weights16_.find(name);
+    if (it == weights16_.end()) return absl::InternalError("bf16 weight " + name + " missing on the device");
+    uint16_t* const x16 = static_cast<uint16_t*>(x16_.ptr);
+    RELGEN_CUDA_RETURN(cuda::RoundToBf16(x, int64_t{rows} * in, x16, stream_));
+    RELGEN_CUBLAS_RETURN(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, it->second,
+                                                    CUDA_R_16BF, in, w_stride, x16, CUDA_R_16BF, in, 0, &beta, y,
+                                                    CUDA_R_32F, out, y_stride, batch, CUBLAS_COMPUTE_32F,
+                                                    CUBLAS_GEMM_DEFAULT));
+    return absl::OkStatus();
+  }
+  bool CublasBf16() const { return options_.cublas_gemms && options_.weight_type == cpu::WeightType::kBf16; }
+  // cuBLAS's recommendation for Hopper; ample for the shapes of a step.
+  static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
   // q, k and v [rows, qkv_width] each, in qkv_ one capacity apart (what the largest step reserved).
   int64_t QkvStride() const { return static_cast<int64_t>(qkv_.bytes / sizeof(float) / 3); }
   float* q() const { return qkv_.f(); }
@@ -506,7 +556,6 @@ class CudaBackend final : public Backend {
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width();
     const int64_t wd = int64_t{w} * d;
-    const float* wq = W(p + "attn.q.weight");
     const int64_t eb = weights16_.count(p + "attn.q.weight") > 0 ? 2 : 4;
     const char* at = WeightBytes(p + "attn.q.weight");
     if (WeightBytes(p + "attn.k.weight") != at + wd * eb || WeightBytes(p + "attn.v.weight") != at + 2 * wd * eb) {
@@ -539,9 +588,7 @@ class CudaBackend final : public Backend {
       }
       return absl::OkStatus();
     }
-    const float one = 1.f, zero = 0.f;
-    RELGEN_CUBLAS_RETURN(cublasSgemmStridedBatched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, w, rows, d, &one, wq, d, wd, x, d,
-                                                   0, &zero, q(), w, QkvStride(), 3));
+    if (auto st = Gemm(x, rows, d, p + "attn.q.weight", w, 1.f, 0.f, q(), 3, wd, QkvStride()); !st.ok()) return st;
     if (bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w) {
       RELGEN_CUDA_RETURN(cuda::BiasActivate(q(), rows, w, bq, -1, stream_, 3, QkvStride()));
       return absl::OkStatus();
@@ -613,8 +660,12 @@ class CudaBackend final : public Backend {
   int32_t* t5_encoder_table_ = nullptr;  // encoder-decoder T5: signed buckets
   float* alibi_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
+  std::unique_ptr<cpu::ThreadPool> upload_pool_;  // during Init only
   absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_, sample_;
+  // cuBLAS with bf16 weights: a projection's input rounded to bf16 (its other operand), and the
+  // workspace cuBLAS is given so that it allocates nothing inside a graph capture.
+  DeviceBuffer x16_, cublas_workspace_;
   // What a launch needs until it is collected: its metadata and queries going up (page-locked),
   // its answers on the device (the next launch's fed tokens read them) and coming back.
   struct Slot {
@@ -911,6 +962,11 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   shape.encoded = encoded;
   shape.fed = static_cast<int64_t>(feeds.size() / 2);
   shape.max_keys = std::max({max_keys, max_input, max_encoded});
+  // Decode: one new token per sequence, only the last logits kept, nothing encoded. It replays a
+  // graph whose attention grids span max_seq_len keys (DecodeGraph): its
+  // workspace must hold that many splits for every row, also where the rows pass the largest step's.
+  const bool decode = encoded == 0 && kept == total && total == static_cast<int>(steps.size());
+  if (decode && options_.graphs) shape.max_keys = c.max_seq_len;
   if (absl::Status st = ReserveStep(shape); !st.ok()) return st;  // within the largest step: no-op
   // Up from page-locked memory: an asynchronous copy at the link's speed. The staging area is the
   // launch's slot, whose last user has been collected.
@@ -952,8 +1008,6 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
     write.block_tables = d_tables;
     if (auto s = Encode(e, enc, max_encoded, write); !s.ok()) return s;
   }
-  // Decode: one new token per sequence, only the last logits kept, nothing encoded.
-  const bool decode = encoded == 0 && kept == total && total == static_cast<int>(steps.size());
   step.tiled = total > static_cast<int>(steps.size());
   if (auto s = decode && options_.graphs ? DecodeGraph(step) : Decoder(step); !s.ok()) return s;
   kept_ = kept;
@@ -1010,15 +1064,12 @@ absl::Status CudaBackend::Decoder(const StepRows& s) {
   if (pre) {
     if (auto st = Norm(h_.f(), kept, "final_norm", h_.f()); !st.ok()) return st;
   }
-  const float alpha = c.lm_head_input_scale, zero = 0.f;
-  const float* head = W("lm_head.weight");
+  const float alpha = c.lm_head_input_scale;
   if (!options_.cublas_gemms) {
     RELGEN_CUDA_RETURN(Project(h_.f(), kept, d, "lm_head.weight", c.vocab_size, nullptr, -1, false, alpha, logits_d_.f()));
     return absl::OkStatus();
   }
-  RELGEN_CUBLAS_RETURN(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab_size, kept, d, &alpha, head, d, h_.f(),
-                                   d, &zero, logits_d_.f(), c.vocab_size));
-  return absl::OkStatus();
+  return Gemm(h_.f(), kept, d, "lm_head.weight", c.vocab_size, alpha, 0.f, logits_d_.f());
 }
 
 absl::Status CudaBackend::DecodeGraph(StepRows s) {
@@ -1092,11 +1143,6 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
     return absl::InvalidArgumentError(
         "--cuda_gemm mma: tensor cores multiply bf16 weights; use --weights_dtype bf16 or auto (bf16 on a GPU), "
         "or --cuda_gemm invariant");
-  }
-  if (o.weight_type == cpu::WeightType::kBf16 && o.cublas_gemms) {
-    return absl::InvalidArgumentError(
-        "--weights_dtype bf16 with --cuda_gemm cublas: bf16 weights run through relgen's projection kernel; use "
-        "--cuda_gemm invariant, or --weights_dtype f32");
   }
   if (device < 0 || device >= CudaDeviceCount()) {
     return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not present (", CudaDeviceCount(), " found)"));

@@ -41,10 +41,11 @@ struct CudaOptions {
   // per batch size: one launch instead of one per kernel and GEMM. Outputs are the same bits.
   bool graphs = true;
   // The projections (and the LM head): relgen's kernel (cuda::Linear), whose rows are batch
-  // invariant and which applies bias, activation and residual in the same launch; or cuBLAS SGEMM
-  // (`cublas_gemms`), which picks its algorithm, and so a row's order of summation, by the
-  // problem's shape (a row's bits may change with the rows beside it) and needs a launch of its own
-  // for bias and activation.
+  // invariant and which applies bias, activation and residual in the same launch; or cuBLAS
+  // (`cublas_gemms`: SGEMM in pedantic mode over float32 weights; over bf16 weights GemmEx on the
+  // tensor cores, each input rounded to bf16 first, float32 sums), which picks its algorithm, and so
+  // a row's order of summation, by the problem's shape (a row's bits may change with the rows
+  // beside it) and needs a launch of its own for bias and activation.
   bool cublas_gemms = false;
   // Keys per attention block (flash-decoding's split): fixed, not chosen per step, because a row's
   // bits depend on where its keys are split. Fewer keys per split give more blocks (batch 1 wants
@@ -52,8 +53,7 @@ struct CudaOptions {
   int attention_split_keys = 128;
   // The projections' weights (and the LM head's): float32, or bf16 (cpu::WeightType::kBf16, the CPU
   // backend's weight-only rule: rounded to nearest even at load, widened exactly, float32 sums),
-  // half the weight bytes a decode step reads. bf16 needs relgen's projection kernel (not
-  // `cublas_gemms`); int8 is the CPU's alone. Embeddings, norms, biases and relative tables stay
+  // half the weight bytes a decode step reads. int8 is the CPU's alone. Embeddings, norms, biases and relative tables stay
   // float32.
   cpu::WeightType weight_type = cpu::WeightType::kF32;
   // bf16 weights' projections on tensor cores (cuda::LinearMma: x rounded to bf16 per element, float

@@ -39,9 +39,9 @@ absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOpt
   const bool gpu = o.device == "cuda";
   if (o.weights_dtype == "auto") {
     // A GPU's decode streams the weights: bf16 halves the bytes (a float16 checkpoint is narrowed,
-    // its range kept and three mantissa bits lost). cuBLAS's projections take float32 only. The CPU
+    // its range kept and three mantissa bits lost), whichever kernel multiplies them. The CPU
     // computes a bf16 checkpoint from bf16 weights and any other in float32.
-    const bool narrow = gpu ? o.cuda_gemm != "cublas" : bf16_file;
+    const bool narrow = gpu || bf16_file;
     o.weights_dtype = narrow ? "bf16" : "f32";
   }
   // relgen's float32-arithmetic projection kernel, measured at 62% of the floor for mpt-7b at batch

@@ -41,7 +41,7 @@ struct DeviceOptions {
 
 // `o` with every choice made: the device (auto: CUDA when a GPU is present), its index in
 // `cuda_index`, and the storage and projections that `auto` picks for it. On a GPU: bf16 weights
-// (float32 with --cuda_gemm cublas) and a bf16 cache, relgen's projection kernel. On the CPU: a bf16
+// and a bf16 cache, relgen's projection kernel. On the CPU: a bf16
 // checkpoint computes from bf16 weights with bf16 K/V, any other in float32, so no CPU default loses
 // the checkpoint's precision.
 // INVALID_ARGUMENT names an unknown value and the allowed ones.

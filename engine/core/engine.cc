@@ -200,6 +200,8 @@ Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> back
   stats_.device = backend_->device();
   stats_.weights_dtype = backend_->weights_dtype();
   stats_.kv_cache_dtype = backend_->kv_cache_dtype();
+  stats_.projections = backend_->projections();
+  stats_.batch_invariant = backend_->batch_invariant();
   stats_.memory = backend_->memory();
   if (config_.background_thread) thread_ = std::thread([this] { Loop(); });
 }

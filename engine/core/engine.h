@@ -202,6 +202,8 @@ struct EngineStats {
   int64_t finished = 0;
   std::string device;
   std::string weights_dtype, kv_cache_dtype;  // what the backend computes from (Backend)
+  std::string projections;                     // Backend::projections()
+  bool batch_invariant = true;                 // Backend::batch_invariant()
   BackendMemory memory;
 };
 

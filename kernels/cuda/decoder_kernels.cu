@@ -351,6 +351,11 @@ __global__ void AddKernel(float* y, const float* x, int64_t n) {
   if (i < n) y[i] += x[i];
 }
 
+__global__ void RoundToBf16Kernel(const float* x, int64_t n, uint16_t* y) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) y[i] = Bf16Bits(x[i]);
+}
+
 template <typename T>
 __global__ void WriteKvKernel(KvPool kv, Rows rows, const float* k, const float* v) {
   const int r = blockIdx.x, h = blockIdx.y;
@@ -969,6 +974,12 @@ cudaError_t ActivateGated(int act, float* x, const float* gate, int64_t n, cudaS
 cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   RELGEN_LAUNCH(AddKernel, Blocks(n, 256), 256, 0, s)(y, x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t RoundToBf16(const float* x, int64_t n, uint16_t* y, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  RELGEN_LAUNCH(RoundToBf16Kernel, Blocks(n, 256), 256, 0, s)(x, n, y);
   return cudaGetLastError();
 }
 

@@ -110,6 +110,9 @@ cudaError_t QkvToCacheMma(const float* x, int rows, int in, const uint16_t* w, i
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
 cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t stream);
+// y = x as bfloat16 bits, rounded to nearest even (cpu::ToBf16's rule): the operand cuBLAS's bf16
+// GEMM reads (--cuda_gemm cublas with bf16 weights).
+cudaError_t RoundToBf16(const float* x, int64_t n, uint16_t* y, cudaStream_t stream);
 // k, v [rows, n_heads*head_dim] into the pool at each row's position, in the pool's element type
 // (cpu::WriteKv).
 cudaError_t WriteKv(const KvPool& kv, const Rows& rows, const float* k, const float* v, cudaStream_t stream);

@@ -94,6 +94,33 @@ TEST(EmulatedServerTest, DefaultsToBf16) {
   const Collected got = Stream(*stub, r);
   ASSERT_TRUE(got.status.ok()) << got.status.error_message();
   EXPECT_EQ(got.tokens.size(), 4u);
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.projections(), "invariant projections");
+  EXPECT_TRUE(info.batch_invariant());
+  emu->Signal(SIGTERM);
+  EXPECT_EQ(emu->Wait(), 0);
+}
+
+// cuBLAS's projections over bf16 weights serve, and the startup line and GetModelInfo say that a
+// request's outputs may change with what is batched beside it.
+TEST(EmulatedServerTest, CublasSaysItIsNotBatchInvariant) {
+  auto emu = StartBinary(EmuBinary(), Args("cuda", {"--cuda_gemm", "cublas"}));
+  EXPECT_THAT(emu->startup_output(),
+              HasSubstr("bf16 (cublas bf16 tensor-core projections, not batch invariant) weights) on simt-emulator:0"));
+  auto stub = Stub(*emu);
+  v1::GenerateRequest r = TokenRequest({3, 14, 15, 92, 65}, 4);
+  r.set_temperature(0);
+  const Collected got = Stream(*stub, r);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens.size(), 4u);
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.compute_weights_dtype(), "bf16");
+  EXPECT_EQ(info.projections(), "cublas bf16 tensor-core projections, not batch invariant");
+  EXPECT_FALSE(info.batch_invariant());
   emu->Signal(SIGTERM);
   EXPECT_EQ(emu->Wait(), 0);
 }
