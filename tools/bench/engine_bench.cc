@@ -91,43 +91,81 @@ struct Result {
   std::string device;  // the backend's device, as it names itself
 };
 
-// Encoder-decoder models: `context` is the encoder's input; the decoder starts from its start token
-// and decodes `steps` tokens against it (its own context is short), as a translation does.
-Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int context, int steps, int threads,
-                 cpu::WeightType weights, cpu::KvType kv_type, bool bf16_activations, const std::string& device,
-                 const std::string& cuda_gemm, int split_keys, bool batch_prefill) {
-  const int bs = 16;
-  const bool enc_dec = model->config().encoder_decoder;
-  const int cross_per_seq = enc_dec ? BlocksForTokens(context, bs) : 0;
-  const int per_seq = BlocksForTokens((enc_dec ? 1 : context) + steps + 1, bs) + cross_per_seq;
-  Result r;
-  std::unique_ptr<Backend> backend;
-  if (device == "cpu") {
-    backend = *NewCpuBackend(model, KvCacheConfig{bs, batch * per_seq}, threads, weights, kv_type,
-                             bf16_activations ? ProjectionInputs::kBf16Dot : ProjectionInputs::kF32);
-  } else {
-    // The device's step buffers are sized at start for the largest step: here the whole batch's prefill.
-    DeviceOptions o;
-    o.device = device;
-    // At least one whole sequence, as the device's pool must hold.
-    const ModelConfig& c = model->config();
-    o.kv_cache_tokens = std::max<int64_t>(int64_t{batch} * per_seq * bs,
-                                          int64_t{c.encoder_decoder ? 2 : 1} * BlocksForTokens(c.max_seq_len, bs) * bs);
-    o.kv_block_size = bs;
-    o.weights_dtype = cpu::WeightTypeName(weights);
-    o.kv_cache_dtype = cpu::KvTypeName(kv_type);
-    o.cuda_gemm = cuda_gemm;
-    o.cuda_split_keys = split_keys;
-    o.max_step_tokens = (batch_prefill ? batch : 1) * (enc_dec ? 1 : context);
-    o.max_step_seqs = batch;
-    auto made = NewBackend(model, o);
+// KV blocks per sequence of a cell: an encoder-decoder's context is its input, held as cross K/V
+// beside the decoder's own short context.
+struct CellBlocks {
+  int cross = 0, total = 0;
+};
+CellBlocks BlocksOf(const ModelConfig& c, int context, int steps, int bs) {
+  CellBlocks b;
+  b.cross = c.encoder_decoder ? BlocksForTokens(context, bs) : 0;
+  b.total = BlocksForTokens((c.encoder_decoder ? 1 : context) + steps + 1, bs) + b.cross;
+  return b;
+}
+constexpr int kBlockSize = 16;
+
+// One backend for every cell of a run, sized for its largest: the weights are uploaded (a GPU's
+// rounded to bf16) once, not once per cell.
+std::unique_ptr<Backend> MakeBackend(const std::shared_ptr<const Model>& model, const EngineBenchOptions& o,
+                                     int threads) {
+  const ModelConfig& c = model->config();
+  int max_batch = 1, max_context = 1;
+  int64_t blocks = 0;
+  for (int batch : o.batches) max_batch = std::max(max_batch, batch);
+  for (int context : o.contexts) {
+    max_context = std::max(max_context, context);
+    for (int batch : o.batches) {
+      blocks = std::max<int64_t>(blocks, int64_t{batch} * BlocksOf(c, context, o.steps, kBlockSize).total);
+    }
+  }
+  if (o.device == "cpu") {
+    auto made = NewCpuBackend(model, KvCacheConfig{kBlockSize, static_cast<int>(blocks)}, threads, o.weights, o.kv_type,
+                              o.bf16_activations ? ProjectionInputs::kBf16Dot : ProjectionInputs::kF32);
     if (!made.ok()) {
       std::fprintf(stderr, "relgen-bench: %s\n", std::string(made.status().message()).c_str());
-      return r;
+      return nullptr;
     }
-    backend = *std::move(made);
+    return *std::move(made);
   }
-  r.device = backend->device();
+  // The device's step buffers are sized at start for the largest step: here the largest batch's
+  // whole prefill.
+  DeviceOptions d;
+  d.device = o.device;
+  // At least one whole sequence, as the device's pool must hold.
+  d.kv_cache_tokens = std::max<int64_t>(blocks * kBlockSize, int64_t{c.encoder_decoder ? 2 : 1} *
+                                                                 BlocksForTokens(c.max_seq_len, kBlockSize) * kBlockSize);
+  d.kv_block_size = kBlockSize;
+  d.weights_dtype = cpu::WeightTypeName(o.weights);
+  d.kv_cache_dtype = cpu::KvTypeName(o.kv_type);
+  d.cuda_gemm = o.cuda_gemm;
+  d.cuda_split_keys = o.cuda_split_keys;
+  // The largest prefill, or a decode step of the largest batch where that has more rows.
+  d.max_step_tokens = std::max(max_batch, (o.batch_prefill ? max_batch : 1) * (c.encoder_decoder ? 1 : max_context));
+  d.max_step_seqs = max_batch;
+  if (c.encoder_decoder) {
+    d.max_step_encoder_tokens = std::max(d.max_step_encoder_tokens, (o.batch_prefill ? max_batch : 1) * max_context);
+  }
+  auto made = NewBackend(model, d);
+  if (!made.ok()) {
+    std::fprintf(stderr, "relgen-bench: %s\n", std::string(made.status().message()).c_str());
+    return nullptr;
+  }
+  return *std::move(made);
+}
+
+// Encoder-decoder models: `context` is the encoder's input; the decoder starts from its start token
+// and decodes `steps` tokens against it (its own context is short), as a translation does. Every
+// step goes through Launch and Collect with a greedy draw per sequence, as the engine runs it: on a
+// GPU the rows are answered on the device and only the drawn tokens come back, and (an asynchronous
+// backend) each decode step is launched before the previous one is collected, its tokens fed from
+// that one's answers on the device.
+Result RunRelgen(Backend& backend, const Model& model, int batch, int context, int steps, bool batch_prefill) {
+  const int bs = kBlockSize;
+  const bool enc_dec = model.config().encoder_decoder;
+  const CellBlocks blocks = BlocksOf(model.config(), context, steps, bs);
+  const int per_seq = blocks.total, cross_per_seq = blocks.cross;
+  Result r;
+  r.device = backend.device();
   std::vector<std::vector<int32_t>> tables(batch), cross(batch);
   for (int b = 0; b < batch; ++b) {
     for (int i = 0; i < per_seq - cross_per_seq; ++i) tables[b].push_back(b * per_seq + i);
@@ -136,7 +174,7 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
   std::mt19937 rng(0);
   std::vector<int32_t> prompt(context);
   for (int32_t& t : prompt) t = rng() % 256;
-  const std::vector<int32_t> start{model->config().decoder_start_token_id};
+  const std::vector<int32_t> start{model.config().decoder_start_token_id};
   // A decoder's prompt, or an encoder-decoder's input (encoded) and the decoder's start token.
   auto first = [&](int b) {
     SequenceStep s{enc_dec ? absl::MakeConstSpan(start) : absl::MakeConstSpan(prompt), 0, tables[b], false};
@@ -147,12 +185,27 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
     }
     return s;
   };
-  std::vector<float> logits;
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  // A greedy draw from each step's last row of every sequence.
+  auto queries = [&](int n, int index) {
+    std::vector<RowQuery> q(n);
+    for (int b = 0; b < n; ++b) {
+      q[b].row = b;
+      q[b].params = &greedy;
+      q[b].index = index;
+    }
+    return q;
+  };
+  std::vector<SampleResult> answers;
+  auto run = [&](absl::Span<const SequenceStep> st, int index) {
+    return backend.Launch(st, queries(static_cast<int>(st.size()), index)).ok() && backend.Collect(&answers).ok();
+  };
   {  // one sequence alone (after a warm-up, as the peer), then all of them in one call (which fills every cache)
     SequenceStep s = first(0);
-    if (!backend->Forward({&s, 1}, &logits).ok()) return r;
+    if (!run({&s, 1}, 0)) return r;
     auto t = Clock::now();
-    if (!backend->Forward({&s, 1}, &logits).ok()) return r;
+    if (!run({&s, 1}, 0)) return r;
     r.prefill_tps = context / Since(t);
     // Without it, the other sequences' caches stay as the pool holds them: a decode step reads them
     // as it reads filled ones, and its time does not depend on their values.
@@ -160,27 +213,44 @@ Result RunRelgen(const std::shared_ptr<const Model>& model, int batch, int conte
       std::vector<SequenceStep> all;
       for (int b = 0; b < batch; ++b) all.push_back(first(b));
       t = Clock::now();
-      if (!backend->Forward(all, &logits).ok()) return r;
+      if (!run(all, 0)) return r;
       r.batch_prefill_tps = double(batch) * context / Since(t);
     }
   }
   std::vector<int32_t> tokens(batch, 65);
   const int pos0 = enc_dec ? 1 : context;
-  auto step = [&](int pos) {
+  // Decode step `s` (its token at pos0 + s): fed from the previous launch's draws when `fed`.
+  auto launch = [&](int s, bool fed) {
     std::vector<SequenceStep> st;
     for (int b = 0; b < batch; ++b) {
-      st.push_back({absl::MakeConstSpan(&tokens[b], 1), pos, tables[b], false});
+      st.push_back({absl::MakeConstSpan(&tokens[b], 1), pos0 + s, tables[b], false});
+      if (fed) st.back().fed_query = b;
       if (enc_dec) {
         st.back().encoder_len = context;
         st.back().cross_block_table = cross[b];
       }
     }
-    return backend->Forward(st, &logits).ok();
+    return backend.Launch(st, queries(batch, s + 1)).ok();
   };
-  if (!step(pos0)) return r;  // warm-up
+  auto collect = [&] {
+    if (!backend.Collect(&answers).ok() || static_cast<int>(answers.size()) != batch) return false;
+    for (int b = 0; b < batch; ++b) tokens[b] = std::max(answers[b].token, 0);
+    return true;
+  };
+  if (!launch(0, false) || !collect()) return r;  // warm-up (a GPU captures the batch's graph)
+  const bool overlap = backend.asynchronous();
   const auto t = Clock::now();
-  for (int s = 0; s < steps; ++s) {
-    if (!step(pos0 + 1 + s)) return r;
+  if (overlap) {
+    // As the engine overlaps steps: N + 1 is launched before N lands.
+    if (!launch(1, false)) return r;
+    for (int s = 2; s <= steps; ++s) {
+      if (!launch(s, true) || !collect()) return r;
+    }
+    if (!collect()) return r;
+  } else {
+    for (int s = 1; s <= steps; ++s) {
+      if (!launch(s, false) || !collect()) return r;
+    }
   }
   r.decode_tps = double(batch) * steps / Since(t);
   r.ok = true;
@@ -324,20 +394,21 @@ int RunEngineBench(const EngineBenchOptions& o) {
   for (int context : o.contexts) {
     for (int batch : o.batches) cells.push_back({batch, context});
   }
+  const auto made_at = Clock::now();
+  std::unique_ptr<Backend> backend = MakeBackend(*model, o, threads);
+  if (backend == nullptr) return 1;
+  std::printf("backend: %s, %s weights (%s), %s K/V, made in %.1f s%s\n", backend->device().c_str(),
+              backend->weights_dtype().c_str(), backend->projections().c_str(), backend->kv_cache_dtype().c_str(),
+              Since(made_at), gpu ? (", " + std::to_string(o.cuda_split_keys) + " keys per attention split").c_str() : "");
   // Repetitions interleave relgen and the peer cell by cell, so drift in the machine's load hits both.
   for (int rep = 0; rep < o.reps; ++rep) {
     std::printf("repetition %d of %d\n", rep + 1, o.reps);
     std::fflush(stdout);
     for (Cell& c : cells) {
-      const Result r = RunRelgen(*model, c.batch, c.context, o.steps, threads, o.weights, o.kv_type, o.bf16_activations, o.device,
-                                 o.cuda_gemm, o.cuda_split_keys, o.batch_prefill);
+      const Result r = RunRelgen(*backend, **model, c.batch, c.context, o.steps, o.batch_prefill);
       if (!r.ok) {
         std::fprintf(stderr, "relgen-bench: the backend failed at batch %d, context %d\n", c.batch, c.context);
         return 1;
-      }
-      if (rep == 0 && &c == &cells.front() && o.device != "cpu") {
-        std::printf("backend: %s (%s projections, %d keys per attention split)\n", r.device.c_str(),
-                    o.cuda_gemm.c_str(), o.cuda_split_keys);
       }
       c.pre.push_back(r.prefill_tps);
       if (o.batch_prefill) c.bpre.push_back(r.batch_prefill_tps);
