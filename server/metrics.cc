@@ -22,6 +22,10 @@ const Histogram::BucketBoundaries kRequestBuckets = {0.01, 0.05, 0.1, 0.3, 0.5, 
                                                      5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0};
 const Histogram::BucketBoundaries kTokenBuckets = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000};
 const Histogram::BucketBoundaries kBatchBuckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
+// An engine step's host phases: tens of microseconds (a GPU decode step's plan) to a second (a long
+// prefill on the CPU).
+const Histogram::BucketBoundaries kStepBuckets = {0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                                                  0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0};
 
 const char* const kFinishReasons[] = {"length", "stop", "eos", "cancelled", "deadline", "error"};
 // Every status the server answers a Generate call with other than OK (docs/metrics.md), so each
@@ -102,6 +106,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   prompt_tokens_hist_ = hist("relgen_request_prompt_tokens", "Prompt tokens per request.", kTokenBuckets);
   generation_tokens_hist_ = hist("relgen_request_generation_tokens", "Generated tokens per request.", kTokenBuckets);
   batch_size_ = hist("relgen_batch_size", "Sequences per engine step.", kBatchBuckets);
+  step_plan_ = hist("relgen_engine_step_plan_seconds",
+                    "Host time per engine step taking requests, scheduling, building the inputs and launching "
+                    "(the CPU backend computes the step here).",
+                    kStepBuckets);
+  step_wait_ = hist("relgen_engine_step_wait_seconds",
+                    "Time per engine step blocked waiting for the device's answers.", kStepBuckets);
+  step_land_ = hist("relgen_engine_step_land_seconds",
+                    "Host time per engine step turning answers into tokens, text and deliveries.", kStepBuckets);
+  step_ = hist("relgen_engine_step_seconds", "Time per engine step: plan + wait + land.", kStepBuckets);
   prompt_tokens_ = counter("relgen_prompt_tokens_total", "Prompt tokens of finished requests.");
   encoder_tokens_ = counter("relgen_encoder_tokens_total",
                             "Input tokens encoded by an encoder-decoder model (again after a preemption too).");
@@ -169,6 +182,13 @@ void Metrics::OnEncoded(int tokens) { encoder_tokens_->Increment(tokens); }
 void Metrics::OnPrefixCache(int queried_tokens, int hit_tokens) {
   prefix_cache_queries_->Increment(queried_tokens);
   prefix_cache_hits_->Increment(hit_tokens);
+}
+
+void Metrics::OnStepHostTimes(const StepHostTimes& t) {
+  step_plan_->Observe(absl::ToDoubleSeconds(t.plan));
+  step_wait_->Observe(absl::ToDoubleSeconds(t.wait));
+  step_land_->Observe(absl::ToDoubleSeconds(t.land));
+  step_->Observe(absl::ToDoubleSeconds(t.step));
 }
 
 void Metrics::OnToken(absl::Duration since_previous) {

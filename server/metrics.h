@@ -54,6 +54,7 @@ class Metrics final : public EngineObserver {
   void OnToken(absl::Duration since_previous) override;
   void OnFinished(const RequestSummary& summary) override;
   void OnPrefixCache(int queried_tokens, int hit_tokens) override;
+  void OnStepHostTimes(const StepHostTimes& times) override;
 
  private:
   class LiveGauges;
@@ -69,6 +70,10 @@ class Metrics final : public EngineObserver {
   prometheus::Histogram* prompt_tokens_hist_;
   prometheus::Histogram* generation_tokens_hist_;
   prometheus::Histogram* batch_size_;
+  prometheus::Histogram* step_plan_;
+  prometheus::Histogram* step_wait_;
+  prometheus::Histogram* step_land_;
+  prometheus::Histogram* step_;
   prometheus::Counter* prompt_tokens_;
   prometheus::Counter* encoder_tokens_;
   prometheus::Counter* generation_tokens_;

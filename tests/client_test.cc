@@ -8,6 +8,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -19,6 +20,7 @@ namespace relgen {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Every GenerateRequest field has exactly one flag, and each flag sets exactly its field.
 TEST(ClientFlagsTest, OneFlagPerRequestField) {
@@ -385,9 +387,29 @@ TEST_F(ClientBinaryTest, ServeBenchWritesJsonAndPng) {
   const std::string png = testing::ReadFile(dir + "/r.png");
   ASSERT_GT(png.size(), 1000u);
   EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
-  r = bench({"--concurrency", "4"});
+  EXPECT_THAT(r.out, Not(HasSubstr("host per step:"))) << "no metrics address, no host times";
+  EXPECT_FALSE(j["results"][0].contains("host_per_step"));
+  // With the server's metrics address: the engine's steps over the load, from its histograms.
+  r = bench({"--concurrency", "4", "--metrics", "127.0.0.1:" + std::to_string(server_->metrics_port())});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(testing::ReadJson(dir + "/r.json")["results"][0]["concurrency"], 4);
+  const nlohmann::json c = testing::ReadJson(dir + "/r.json");
+  EXPECT_EQ(c["results"][0]["concurrency"], 4);
+  const std::regex line(
+      R"((^|\n)host per step: plan\+build [0-9.]+ ms, wait [0-9.]+ ms, land [0-9.]+ ms, step [0-9.]+ ms; host share [0-9.]+% \([0-9]+ steps\)\n)");
+  EXPECT_TRUE(std::regex_search(r.out, line)) << r.out;
+  ASSERT_TRUE(c["results"][0].contains("host_per_step")) << c.dump(2);
+  const auto& host = c["results"][0]["host_per_step"];
+  // 12 requests of at least 4 tokens: at least 4 steps, each timed before the last one's end.
+  EXPECT_GE(host["steps"].get<double>(), 3);
+  for (const char* k : {"plan_ms", "wait_ms", "land_ms", "step_ms"}) EXPECT_GE(host[k].get<double>(), 0) << k;
+  EXPECT_NEAR(host["plan_ms"].get<double>() + host["wait_ms"].get<double>() + host["land_ms"].get<double>(),
+              host["step_ms"].get<double>(), 1e-6 * host["step_ms"].get<double>() + 1e-9);
+  EXPECT_GE(host["host_share"].get<double>(), 0);
+  EXPECT_LE(host["host_share"].get<double>(), 1);
+  // A metrics address that answers nothing is refused before any load.
+  r = bench({"--concurrency", "4", "--metrics", "127.0.0.1:1"});
+  EXPECT_EQ(r.exit_code, 14);
+  EXPECT_THAT(r.err, HasSubstr("cannot read the engine-step histograms at 127.0.0.1:1"));
 
   // The same load through the OpenAI-compatible HTTP API: every request is a streamed completion,
   // booked with api="http".

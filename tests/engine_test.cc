@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -422,7 +423,8 @@ class AheadBackend : public WrappedBackend {
   bool held_ = false;
 };
 
-std::unique_ptr<Engine> MakeAheadEngine(const std::string& scheme, const EngineSetup& s, AheadBackend** ahead) {
+std::unique_ptr<Engine> MakeAheadEngine(const std::string& scheme, const EngineSetup& s, AheadBackend** ahead,
+                                        std::shared_ptr<EngineObserver> observer = nullptr) {
   auto model = Model::Load(testing::GoldenDir() + "/engine/" + scheme);
   EXPECT_TRUE(model.ok()) << model.status();
   auto inner = NewCpuBackend(*model, KvCacheConfig{16, s.num_blocks}, 2, s.weights, s.kv_type);
@@ -433,6 +435,7 @@ std::unique_ptr<Engine> MakeAheadEngine(const std::string& scheme, const EngineS
   config.scheduler.max_batch_tokens = s.max_batch_tokens;
   config.scheduler.max_num_seqs = s.max_num_seqs;
   config.check_invariants = true;
+  config.observer = std::move(observer);
   auto engine = Engine::Create(*model, std::move(backend), NewByteTokenizer(), config);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return *std::move(engine);
@@ -594,6 +597,139 @@ TEST(OverlapTest, PauseLandsTheStepInFlight) {
   engine->Resume();
   const Result rest = Drain(*a);
   EXPECT_EQ(delivered + static_cast<int>(rest.tokens.size()), 40);
+}
+
+// ---- host time per step
+
+using SteadyClock = std::chrono::steady_clock;
+
+absl::Duration Since(SteadyClock::time_point t) { return absl::FromChrono(SteadyClock::now() - t); }
+
+// Returns once the engine's monotonic clock has advanced by at least `d` since the call: a lower
+// bound on the time the caller spent here, whatever the machine's load.
+void HoldFor(absl::Duration d) {
+  const SteadyClock::time_point until = SteadyClock::now() + absl::ToChronoNanoseconds(d);
+  while (SteadyClock::now() < until) std::this_thread::sleep_until(until);
+}
+
+// Records each step's host times; optionally holds every token's delivery (part of the landing).
+class HostTimesObserver : public EngineObserver {
+ public:
+  explicit HostTimesObserver(absl::Duration token_hold = absl::ZeroDuration()) : token_hold_(token_hold) {}
+  void OnStepHostTimes(const StepHostTimes& t) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    times_.push_back(t);
+  }
+  void OnToken(absl::Duration) override { HoldFor(token_hold_); }
+  std::vector<StepHostTimes> times() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return times_;
+  }
+
+ private:
+  const absl::Duration token_hold_;
+  std::mutex mu_;
+  std::vector<StepHostTimes> times_;
+};
+
+// Holds each Launch and each Collect for at least a given time before answering.
+class SlowBackend : public WrappedBackend {
+ public:
+  SlowBackend(std::unique_ptr<Backend> inner, absl::Duration launch, absl::Duration collect)
+      : WrappedBackend(std::move(inner)), launch_(launch), collect_(collect) {}
+  absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
+    HoldFor(launch_);
+    return inner_->Launch(steps, queries);
+  }
+  absl::Status Collect(std::vector<SampleResult>* results) override {
+    HoldFor(collect_);
+    return inner_->Collect(results);
+  }
+
+ private:
+  const absl::Duration launch_, collect_;
+};
+
+void ExpectPartsMakeTheStep(const std::vector<StepHostTimes>& times, const EngineStats& st) {
+  StepHostTimes sum;
+  for (const StepHostTimes& t : times) {
+    EXPECT_GE(t.plan, absl::ZeroDuration());
+    EXPECT_GE(t.wait, absl::ZeroDuration());
+    EXPECT_GE(t.land, absl::ZeroDuration());
+    EXPECT_EQ(t.plan + t.wait + t.land, t.step);
+    sum.plan += t.plan;
+    sum.wait += t.wait;
+    sum.land += t.land;
+    sum.step += t.step;
+  }
+  // The engine's running totals are the observed steps' (durations add exactly).
+  EXPECT_EQ(st.host_timed_steps, static_cast<int64_t>(times.size()));
+  EXPECT_EQ(st.host_times.plan, sum.plan);
+  EXPECT_EQ(st.host_times.wait, sum.wait);
+  EXPECT_EQ(st.host_times.land, sum.land);
+  EXPECT_EQ(st.host_times.step, sum.step);
+}
+
+// One step at a time, the backend's Launch counts as planning, its Collect as waiting and the
+// token deliveries as landing: each step's parts are at least what the test held each of them for.
+TEST(HostTimeTest, EachPhaseIsCountedWhereItRuns) {
+  const absl::Duration launch = absl::Milliseconds(3), collect = absl::Milliseconds(2), deliver = absl::Milliseconds(1);
+  auto model = Model::Load(testing::GoldenDir() + "/engine/skew");
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto inner = NewCpuBackend(*model, KvCacheConfig{16, 64}, 2, cpu::WeightType::kF32, cpu::KvType::kF32);
+  ASSERT_TRUE(inner.ok()) << inner.status();
+  auto observer = std::make_shared<HostTimesObserver>(deliver);
+  EngineConfig config;
+  config.background_thread = false;
+  config.observer = observer;
+  auto engine = *Engine::Create(*model, std::make_unique<SlowBackend>(*std::move(inner), launch, collect),
+                                NewByteTokenizer(), config);
+  // Both prompts fit the first step: 6 steps, each delivering a token of each request.
+  auto a = *engine->Submit(Prompt(5, 6));
+  auto b = *engine->Submit(Prompt(9, 6));
+  for (int i = 0; i < 6; ++i) engine->RunOnce();
+  EXPECT_EQ(Drain(*a).tokens.size(), 6u);
+  EXPECT_EQ(Drain(*b).tokens.size(), 6u);
+  engine->RunOnce();  // nothing to run: no step to time
+  const EngineStats st = engine->Stats();
+  const std::vector<StepHostTimes> times = observer->times();
+  EXPECT_EQ(st.steps, 6);
+  ASSERT_EQ(times.size(), 6u);
+  for (const StepHostTimes& t : times) {
+    EXPECT_GE(t.plan, launch);
+    EXPECT_GE(t.wait, collect);
+    EXPECT_GE(t.land, 2 * deliver);
+  }
+  ExpectPartsMakeTheStep(times, st);
+}
+
+// With steps launched ahead, the step whose answers the test holds on the device is waited for
+// at least as long as the test provably held it, and counted in the iteration that lands it.
+TEST(HostTimeTest, WaitingForAHeldStepIsCounted) {
+  auto observer = std::make_shared<HostTimesObserver>();
+  AheadBackend* ahead = nullptr;
+  auto engine = MakeAheadEngine("skew", EngineSetup{}, &ahead, observer);
+  ahead->HoldCollect(3);
+  auto h = *engine->Submit(Prompt(5, 8));
+  ASSERT_TRUE(ahead->WaitWhileHeld(4));
+  // From here until Release the engine thread is inside the third Collect.
+  const SteadyClock::time_point held = SteadyClock::now();
+  HoldFor(absl::Milliseconds(20));
+  const absl::Duration at_least = Since(held);
+  ahead->Release();
+  EXPECT_EQ(Drain(*h).tokens.size(), 8u);
+  engine->Pause();  // the iteration that delivered the last token has ended, and been counted
+  const EngineStats st = engine->Stats();
+  const std::vector<StepHostTimes> times = observer->times();
+  // Every launch is timed where it is made, every landing where it lands; the last landing
+  // launches nothing.
+  EXPECT_EQ(st.steps, 8);
+  ASSERT_EQ(times.size(), 9u);
+  EXPECT_EQ(times.front().wait, absl::ZeroDuration()) << "the first iteration lands nothing";
+  // The third Collect lands step 3, in the fourth iteration (which launched step 4 first).
+  EXPECT_GE(times[3].wait, at_least);
+  ExpectPartsMakeTheStep(times, st);
+  engine->Resume();
 }
 
 // ---- submission checks

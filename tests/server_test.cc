@@ -693,8 +693,10 @@ TEST(ServerMetricsTest, FiftyRequestsAreAllInTheBooks) {
   const int64_t received_then = tokens_received.load();
   ASSERT_TRUE(testing::ResumeEngine(server->metrics_port()));
   for (auto& t : clients) t.join();
+  // The engine's iteration is timed once it has delivered (so after its client may have seen the end).
   const auto after = WaitForMetrics(server->metrics_port(), [](const auto& m) {
-    return Metric(m, "relgen_e2e_request_latency_seconds_count") == 50;
+    return Metric(m, "relgen_e2e_request_latency_seconds_count") == 50 &&
+           Metric(m, "relgen_engine_step_seconds_count") == Metric(m, "relgen_batch_size_count");
   });
   ASSERT_EQ(ok.load(), 50);
   for (const auto* m : {&during, &after}) {
@@ -702,6 +704,8 @@ TEST(ServerMetricsTest, FiftyRequestsAreAllInTheBooks) {
          {"relgen_time_to_first_token_seconds_count", "relgen_time_per_output_token_seconds_count",
           "relgen_e2e_request_latency_seconds_count", "relgen_request_queue_time_seconds_count",
           "relgen_request_prompt_tokens_count", "relgen_request_generation_tokens_count", "relgen_batch_size_count",
+          "relgen_engine_step_plan_seconds_count", "relgen_engine_step_wait_seconds_count",
+          "relgen_engine_step_land_seconds_count", "relgen_engine_step_seconds_count",
           "relgen_prompt_tokens_total", "relgen_generation_tokens_total", "relgen_requests_total{finish_reason=\"length\"}",
           "relgen_preemptions_total", "relgen_num_requests_running", "relgen_num_requests_waiting",
           "relgen_kv_cache_usage_ratio", "relgen_kv_cache_blocks{state=\"used\"}", "relgen_kv_cache_blocks{state=\"free\"}",
@@ -732,6 +736,20 @@ TEST(ServerMetricsTest, FiftyRequestsAreAllInTheBooks) {
   EXPECT_EQ(Metric(after, "relgen_kv_cache_blocks{state=\"free\"}") + Metric(after, "relgen_kv_cache_blocks{state=\"cached\"}"),
             1024);
   EXPECT_GT(Metric(after, "relgen_batch_size_sum") / Metric(after, "relgen_batch_size_count"), 1.5) << "batching";
+  // Host time per step: the CPU backend lands each step in the iteration that launched it, so every
+  // step is timed once; its parts add up to it.
+  EXPECT_EQ(Metric(after, "relgen_engine_step_seconds_count"), Metric(after, "relgen_batch_size_count"));
+  for (const char* part : {"plan", "wait", "land"}) {
+    const std::string name = std::string("relgen_engine_step_") + part + "_seconds";
+    EXPECT_EQ(Metric(after, name + "_count"), Metric(after, "relgen_engine_step_seconds_count")) << part;
+    EXPECT_EQ(Metric(after, name + "_bucket{le=\"+Inf\"}"), Metric(after, name + "_count")) << part;
+    EXPECT_GE(Metric(after, name + "_sum"), 0) << part;
+  }
+  const double step_sum = Metric(after, "relgen_engine_step_seconds_sum");
+  EXPECT_GT(step_sum, 0);
+  EXPECT_NEAR(Metric(after, "relgen_engine_step_plan_seconds_sum") + Metric(after, "relgen_engine_step_wait_seconds_sum") +
+                  Metric(after, "relgen_engine_step_land_seconds_sum"),
+              step_sum, 1e-6 * step_sum + 1e-9);
 }
 
 // Each sample and each scored continuation finishes in the books as a request of its own; the call

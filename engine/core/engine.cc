@@ -1,6 +1,7 @@
 #include "engine/core/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -569,7 +570,6 @@ void Engine::TakeInbox() {
 
 void Engine::RunOnce() {
   if (config_.background_thread) std::abort();  // the engine thread owns the loop
-  TakeInbox();
   Step(true);
 }
 
@@ -604,7 +604,6 @@ void Engine::Loop() {
       in_step_ = true;
       plan = !paused_;
     }
-    if (plan) TakeInbox();
     Step(plan);
     std::unique_lock<std::mutex> lock(mu_);
     in_step_ = false;
@@ -1154,7 +1153,10 @@ absl::Status Engine::Launch(StepBatch* b) {
 }
 
 void Engine::Land(StepBatch& b) {
+  const auto asked = std::chrono::steady_clock::now();
   absl::Status st = backend_->Collect(&b.answers);
+  step_wait_ += absl::FromChrono(std::chrono::steady_clock::now() - asked);
+  step_landed_ = true;
   if (st.ok() && b.answers.size() != b.queries.size()) {
     st = absl::InternalError(absl::StrCat("the backend answered ", b.answers.size(), " of ", b.queries.size(), " rows"));
   }
@@ -1230,6 +1232,15 @@ void Engine::Commit(StepBatch& b, const absl::Status& st) {
 }
 
 void Engine::Step(bool plan) {
+  // Host time is read on a monotonic clock; absl::Now() (wall time) is for deadlines and the
+  // requests' timings.
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  step_wait_ = absl::ZeroDuration();
+  step_landed_ = false;
+  absl::Duration landed_in_plan;  // a landing forced by a preemption, not part of the plan's time
+  // Taken in before `now` is read, so that no request is scheduled before it was submitted.
+  if (plan) TakeInbox();
   const absl::Time now = absl::Now();
   auto next = std::make_unique<StepBatch>();
   if (plan) {
@@ -1237,7 +1248,9 @@ void Engine::Step(bool plan) {
     if (!Plan(now, next.get())) {
       // It would preempt: the step in flight lands first, then the plan is made again.
       std::unique_ptr<StepBatch> b = std::move(in_flight_);
+      const Clock::time_point landing = Clock::now();
       Land(*b);
+      landed_in_plan = absl::FromChrono(Clock::now() - landing);
       Reap(now);
       next = std::make_unique<StepBatch>();
       if (!Plan(now, next.get())) std::abort();  // nothing is in flight now
@@ -1248,6 +1261,7 @@ void Engine::Step(bool plan) {
   absl::Status st;
   const bool launching = !next->steps.empty();
   if (launching) st = Launch(next.get());
+  const Clock::time_point launched = Clock::now();
   // The step in flight lands while the one just launched runs.
   if (in_flight_ != nullptr && backend_->Broken().ok()) {
     std::unique_ptr<StepBatch> b = std::move(in_flight_);
@@ -1274,6 +1288,19 @@ void Engine::Step(bool plan) {
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done && s->in_flight == 0; }),
                  running_.end());
   Account(nullptr);
+  if (!launching && !step_landed_) return;  // nothing ran: no step to time
+  StepHostTimes t;
+  t.step = absl::FromChrono(Clock::now() - start);
+  t.plan = absl::FromChrono(launched - start) - landed_in_plan;
+  t.wait = step_wait_;
+  t.land = t.step - t.plan - t.wait;  // every Collect lies within the landings, so never negative
+  if (config_.observer) config_.observer->OnStepHostTimes(t);
+  std::unique_lock<std::mutex> lock(mu_);
+  ++stats_.host_timed_steps;
+  stats_.host_times.plan += t.plan;
+  stats_.host_times.wait += t.wait;
+  stats_.host_times.land += t.land;
+  stats_.host_times.step += t.step;
 }
 
 void Engine::AccountPlan(const StepBatch& planned) {

@@ -148,6 +148,19 @@ struct RequestSummary {
   absl::Duration e2e;
 };
 
+// The engine thread's time in one iteration of its loop that launched a step, landed one, or both
+// (with overlapped steps, it launches step N+1 and then lands step N), on a monotonic clock.
+// plan + wait + land = step. A synchronous backend (the CPU) computes the whole step in its Launch,
+// so there the forward pass counts as plan and wait is about zero.
+struct StepHostTimes {
+  // Taking submissions, reaping, scheduling, building the step's inputs and the backend's Launch
+  // call (on a GPU: uploading the step's metadata and enqueueing its work).
+  absl::Duration plan;
+  absl::Duration wait;  // blocked in the backend's Collect, waiting for the device's answers
+  absl::Duration land;  // the rest: the answers to tokens, stop checks, text, delivery, the books
+  absl::Duration step;  // the whole iteration
+};
+
 // Called on the engine thread; implementations must be quick and thread-safe.
 class EngineObserver {
  public:
@@ -163,6 +176,8 @@ class EngineObserver {
   // A sequence admitted with prefix caching on: its prompt's tokens (prompt plus output so far after
   // a preemption) and how many of them the cache held.
   virtual void OnPrefixCache(int queried_tokens, int hit_tokens) {}
+  // Once per iteration of the engine loop that launched or landed a step.
+  virtual void OnStepHostTimes(const StepHostTimes& times) {}
 };
 
 struct EngineConfig {
@@ -200,6 +215,10 @@ struct EngineStats {
   int64_t generation_tokens = 0;  // tokens generated and delivered
   int64_t preemptions = 0;
   int64_t finished = 0;
+  // The engine loop's iterations that launched or landed a step, and their StepHostTimes summed
+  // (the host's share of the engine's time: (step - wait) / step).
+  int64_t host_timed_steps = 0;
+  StepHostTimes host_times;
   std::string device;
   std::string weights_dtype, kv_cache_dtype;  // what the backend computes from (Backend)
   std::string projections;                     // Backend::projections()
@@ -251,8 +270,8 @@ class Engine {
          std::shared_ptr<const Tokenizer> tokenizer, EngineConfig config);
   void Loop();
   void TakeInbox();
-  // One iteration: with `plan`, reap, schedule, build and launch the next step; land the step in
-  // flight, if any (with overlap, the one launched by the previous iteration).
+  // One iteration: with `plan`, take submissions, reap, schedule, build and launch the next step;
+  // land the step in flight, if any (with overlap, the one launched by the previous iteration).
   void Step(bool plan);
   void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus());
   void EmitToken(Seq& s, const SampleResult& r);
@@ -323,6 +342,9 @@ class Engine {
   std::vector<std::unique_ptr<Seq>> forks_;
   int64_t next_seq_id_ = 0;
   std::unique_ptr<StepBatch> in_flight_;  // launched, not yet landed (overlap_steps)
+  // The current iteration's landings: time blocked in Collect, and whether any step landed.
+  absl::Duration step_wait_;
+  bool step_landed_ = false;
   std::thread thread_;
 };
 

@@ -44,6 +44,7 @@ int Usage() {
                "                          [--shared_prefix_len 0]   (tokens every synthetic prompt starts with)\n"
                "                          [--temperature 0.8] [--top_p 1] [--top_k 0]   (each request's sampling)\n"
                "                          [--json FILE] [--png FILE]\n"
+               "                          [--metrics HOST:PORT]   (the server's --metrics_listen: host time per step)\n"
                "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,mma,bf16-dot,int8] [--kv_cache_dtype f32,bf16]\n"
                "                             [--fortunes DIR] [--window 256]\n"
                "                             [--max_windows 0] [--greedy_tokens 1000] [--threads 0] [--json FILE]\n");
@@ -220,6 +221,7 @@ int main(int argc, char** argv) {
       else if (f == "--seed") ok = absl::SimpleAtoi(v, &o.seed);
       else if (f == "--json") o.json_out = v;
       else if (f == "--png") o.png_out = v;
+      else if (f == "--metrics") ok = !(o.metrics = v).empty();
       else ok = false;
       if (!ok) return Usage();
     }

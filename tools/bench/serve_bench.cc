@@ -11,7 +11,9 @@
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <iterator>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "nlohmann/json.hpp"
@@ -223,6 +225,51 @@ void Progress(const std::string& label, const std::atomic<int>& done, int total,
   if (tty) std::fprintf(stderr, "\r%s done: %d/%d in %.1fs%20s\n", label.c_str(), done.load(), total, Seconds(start, Clock::now()), "");
 }
 
+// The engine-step histograms' totals from the server's /metrics (docs/metrics.md, "Host time per
+// step").
+struct StepTotals {
+  double plan = 0, wait = 0, land = 0, step = 0, steps = 0;
+};
+
+// False when /metrics cannot be read or lacks the histograms (a server older than them).
+bool ReadStepTotals(const std::string& address, StepTotals* t) {
+  httplib::Client client("http://" + address);
+  client.set_connection_timeout(10);
+  client.set_read_timeout(30);
+  const httplib::Result res = client.Get("/metrics");
+  if (!res || res->status != 200) return false;
+  const std::pair<const char*, double*> series[] = {{"relgen_engine_step_plan_seconds_sum", &t->plan},
+                                                    {"relgen_engine_step_wait_seconds_sum", &t->wait},
+                                                    {"relgen_engine_step_land_seconds_sum", &t->land},
+                                                    {"relgen_engine_step_seconds_sum", &t->step},
+                                                    {"relgen_engine_step_seconds_count", &t->steps}};
+  int found = 0;
+  std::istringstream in(res->body);
+  for (std::string line; std::getline(in, line);) {
+    const size_t sp = line.find(' ');
+    if (line.empty() || line[0] == '#' || sp == std::string::npos) continue;
+    for (const auto& [name, value] : series) {
+      if (line.compare(0, sp, name) == 0) {
+        *value = std::strtod(line.c_str() + sp + 1, nullptr);
+        ++found;
+      }
+    }
+  }
+  return found == static_cast<int>(std::size(series));
+}
+
+// The means per step over a load from the totals before and after it.
+json HostPerStep(const StepTotals& a, const StepTotals& b) {
+  const double steps = b.steps - a.steps, step = b.step - a.step, wait = b.wait - a.wait;
+  auto per_step_ms = [&](double s) { return steps > 0 ? s / steps * 1e3 : 0.0; };
+  return {{"steps", steps},
+          {"plan_ms", per_step_ms(b.plan - a.plan)},
+          {"wait_ms", per_step_ms(wait)},
+          {"land_ms", per_step_ms(b.land - a.land)},
+          {"step_ms", per_step_ms(step)},
+          {"host_share", step > 0 ? (step - wait) / step : 0.0}};
+}
+
 json RunOne(const Runner& runner, const ServeOptions& o, double rate, int concurrency) {
   std::vector<Sample> samples(o.num_requests);
   std::vector<v1::GenerateRequest> reqs;
@@ -313,6 +360,11 @@ int RunServeBench(const ServeOptions& o) {
     std::fprintf(stderr, "relgen-bench: cannot reach relgen-server at %s\n", o.server.c_str());
     return 14;
   }
+  StepTotals totals;
+  if (!o.metrics.empty() && !ReadStepTotals(o.metrics, &totals)) {
+    std::fprintf(stderr, "relgen-bench: cannot read the engine-step histograms at %s/metrics\n", o.metrics.c_str());
+    return 14;
+  }
   Runner runner(o, channel);
   runner.set_model(model);
   if (!runner.has_prompts()) {
@@ -325,7 +377,10 @@ int RunServeBench(const ServeOptions& o) {
   std::vector<double> loads = o.rates;
   if (loads.empty()) loads = {0};
   for (double rate : loads) {
-    const json r = RunOne(runner, o, rate, o.concurrency);
+    StepTotals before, after;
+    const bool timed = !o.metrics.empty() && ReadStepTotals(o.metrics, &before);
+    json r = RunOne(runner, o, rate, o.concurrency);
+    if (timed && ReadStepTotals(o.metrics, &after)) r["host_per_step"] = HostPerStep(before, after);
     results.push_back(r);
     auto ms = [&](const char* k) {
       char b[64];
@@ -340,6 +395,14 @@ int RunServeBench(const ServeOptions& o) {
     std::printf("%-12s %6d %9.2f %9.1f %10.2f | %s | %s | %s | %s\n", load.c_str(), r["completed"].get<int>(),
                 r["request_throughput"].get<double>(), r["output_token_throughput"].get<double>(),
                 r["goodput"].get<double>(), ms("ttft_s").c_str(), ms("tpot_s").c_str(), ms("itl_s").c_str(), e2e);
+    if (r.contains("host_per_step")) {
+      const json& h = r["host_per_step"];
+      std::printf("host per step: plan+build %.3f ms, wait %.3f ms, land %.3f ms, step %.3f ms; host share %.1f%% (%.0f steps)\n",
+                  h["plan_ms"].get<double>(), h["wait_ms"].get<double>(), h["land_ms"].get<double>(),
+                  h["step_ms"].get<double>(), h["host_share"].get<double>() * 100, h["steps"].get<double>());
+    } else if (!o.metrics.empty()) {
+      std::fprintf(stderr, "relgen-bench: no engine-step histograms at %s/metrics\n", o.metrics.c_str());
+    }
     std::fflush(stdout);
   }
   const json out = {{"server", o.server}, {"api", o.api}, {"num_requests", o.num_requests}, {"prompt_len", o.prompt_len},

@@ -25,6 +25,9 @@ struct ServeOptions {
   double timeout = 300;
   uint64_t seed = 1;
   std::string json_out, png_out;
+  // The server's --metrics_listen address: its engine-step histograms are read before and after
+  // each load, for the host's time per step (empty: not read).
+  std::string metrics;
 };
 
 int RunServeBench(const ServeOptions& options);
