@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Real-shape Hugging Face checkpoints with random weights, and transformers' own generate on them:
-the GPU peer of `relgen-bench engine --device cuda` (tools/gpu_check.sh, stage `shapes`).
+the GPU peer of `relgen-bench engine --device cuda` (tools/gpu_check.sh: make_<shape>, hf_<shape>).
 
   python3 tools/bench/hf_peer.py make --config tools/bench/shapes/mpt-7b.json --out DIR [--dtype bf16]
   python3 tools/bench/hf_peer.py bench --model DIR --batches 1,8,64 --context 512 --steps 16 [--json F]
@@ -8,6 +8,9 @@ the GPU peer of `relgen-bench engine --device cuda` (tools/gpu_check.sh, stage `
 `make` builds the model from the config on the device (random weights from transformers' own
 initialisation, in --dtype), saves it as save_pretrained does (sharded safetensors), then puts the
 config back as written by the transformers that made tools/bench/shapes (every key one relgen knows).
+Where that config says the head is untied (T5's `tie_word_embeddings: false`) and save_pretrained
+left `lm_head.weight` out (transformers 5.17 did), the head the model computes with is added.
+tools/bench/shapes/tiny/ holds the same families at toy widths (gpu_check.sh's dry run).
 `bench` times generate() (greedy, sdpa where the family has it, static cache where it has one) per
 batch: one sequence's prefill, the whole batch's prefill (max_new_tokens=1) and the decode steps
 (the difference to max_new_tokens=1+steps), synchronized, best of --reps after a warm-up.
@@ -18,6 +21,8 @@ import json
 import os
 import time
 
+import safetensors
+import safetensors.torch
 import torch
 import transformers
 
@@ -61,12 +66,70 @@ def make(a):
     m.save_pretrained(a.out, max_shard_size=a.max_shard_size, safe_serialization=True)
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(ours, f, indent=2)
+    added = add_untied_head(m, a.out, ours)
     size = sum(os.path.getsize(os.path.join(a.out, f)) for f in os.listdir(a.out))
     print(json.dumps({"model": a.out, "parameters": n, "bytes": size, "seconds": time.perf_counter() - t0,
-                      "transformers": transformers.__version__}))
+                      "transformers": transformers.__version__, "added": added}))
+
+
+def saved_keys(out):
+    index = os.path.join(out, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    with safetensors.safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def add_untied_head(m, out, ours):
+    """The output projection's weight where the config says untied and the checkpoint lacks it: relgen
+    refuses an untied checkpoint without its head, and transformers would draw a fresh one at load."""
+    if ours.get("tie_word_embeddings", True) is not False:
+        return []
+    head = m.get_output_embeddings()
+    name = next((n for n, mod in m.named_modules() if mod is head), None)
+    if head is None or name is None:
+        return []
+    key = name + ".weight"
+    if key in saved_keys(out):
+        return []
+    # A copy: where transformers tied the two anyway, the weight is the embedding's storage, which
+    # safetensors will not save twice in one file.
+    w = head.weight.detach().to("cpu").clone().contiguous()
+    index = os.path.join(out, "model.safetensors.index.json")
+    if os.path.exists(index):
+        shard = "model-untied-head.safetensors"
+        safetensors.torch.save_file({key: w}, os.path.join(out, shard), metadata={"format": "pt"})
+        with open(index) as f:
+            idx = json.load(f)
+        idx["weight_map"][key] = shard
+        idx.setdefault("metadata", {})
+        idx["metadata"]["total_size"] = idx["metadata"].get("total_size", 0) + w.numel() * w.element_size()
+        with open(index, "w") as f:
+            json.dump(idx, f, indent=2)
+    else:
+        single = os.path.join(out, "model.safetensors")
+        tensors = safetensors.torch.load_file(single)
+        tensors[key] = w
+        safetensors.torch.save_file(tensors, single, metadata={"format": "pt"})
+    if key not in saved_keys(out):
+        raise SystemExit(f"hf_peer: {key} is still missing from {out}")
+    return [key]
+
+
+def without_fsdp():
+    """transformers 4.46's generate asks whether FSDP manages the model by importing torch's FSDP, which
+    Debian's torch 1.13 cannot import under Python 3.11; nothing here is sharded, so the answer is no."""
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+    except Exception:
+        gen = getattr(transformers.generation, "utils", None)
+        if gen is not None and hasattr(gen, "is_fsdp_managed_module"):
+            gen.is_fsdp_managed_module = lambda module: False
 
 
 def bench(a):
+    without_fsdp()
     dev = a.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev != "cpu" else (lambda: None)
     m, cfg = None, None
