@@ -41,7 +41,7 @@
 #                             GPU model; 1 every shape; 0 none
 #   GPU_CHECK_LIMIT_<stage>=S a stage's limit in seconds (the budget check still applies)
 #   GPU_CHECK_SKIP=a,b        stages left out (names as in the table; shell patterns allowed)
-#   GPU_CHECK_CONTEXT=512, GPU_CHECK_LONG_CONTEXT=2048, GPU_CHECK_LONG_BATCHES=1,64, GPU_CHECK_STEPS=8
+#   GPU_CHECK_CONTEXT=512, GPU_CHECK_LONG_CONTEXT=2048, GPU_CHECK_LONG_BATCHES=1,32 (64 x 2048 tokens of mpt-7b K/V, 69 GB, and its 13 GB of weights pass an H100's 80 GB), GPU_CHECK_STEPS=8
 #   GPU_CHECK_TEST_FILTER     gtest filter of cuda_backend_test (default: every test)
 #   GPU_CHECK_SANITIZE_FILTER gtest filter of the compute-sanitizer stages (default: the tensor-core tests)
 #   GPU_CHECK_SERVE_GEMM=mma  relgen-server's --cuda_gemm in the serve stages
@@ -410,7 +410,11 @@ _serve() {
   while kill -0 $pid 2>/dev/null && ! grep -q "gRPC on" "$log"; do sleep 0.2; done
   addr=$(grep -o "gRPC on [^ ;]*" "$log" | head -n 1 | cut -d' ' -f3)
   [ -n "$addr" ] || { echo "relgen-server did not start:"; tail -n 20 "$log"; exit 1; }
-  "$ROOT/bin/relgen-bench" serve --server "$addr" --concurrency "$SERVE_CLIENTS" --num_requests "$SERVE_REQUESTS" \
+  # The engine's step histograms before and after the load: the host's share of a step.
+  local maddr
+  maddr=$(grep -o "metrics on [^ ;]*" "$log" | head -n 1 | cut -d' ' -f3)
+  [ -n "$maddr" ] || { echo "relgen-server named no metrics address:"; tail -n 20 "$log"; exit 1; }
+  "$ROOT/bin/relgen-bench" serve --server "$addr" --metrics "$maddr" --concurrency "$SERVE_CLIENTS" --num_requests "$SERVE_REQUESTS" \
     --prompt_len "$SERVE_PROMPT" --output_len "$SERVE_OUTPUT" --spread 0 --temperature 0.8 --top_p 0.9 \
     --json "$OUT/serve_${shape}_$mode.json"
   local rc=$?
@@ -537,7 +541,7 @@ settings() {
     GPU_NAME=${GPU_CHECK_GPU_NAME:-$(timeout 10 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)}
     GPU_NAME=${GPU_NAME:-unknown}
     SHAPE_CONFIGS=$SRC/tools/bench/shapes
-    DEFAULT_BATCHES=1,8,64 LONG_BATCHES=1,64 CONTEXT=${GPU_CHECK_CONTEXT:-512} LONG_CONTEXT=${GPU_CHECK_LONG_CONTEXT:-2048} STEPS=${GPU_CHECK_STEPS:-8}
+    DEFAULT_BATCHES=1,8,64 LONG_BATCHES=1,32 CONTEXT=${GPU_CHECK_CONTEXT:-512} LONG_CONTEXT=${GPU_CHECK_LONG_CONTEXT:-2048} STEPS=${GPU_CHECK_STEPS:-8}
     SERVE_CLIENTS=64 SERVE_REQUESTS=192 SERVE_PROMPT=128 SERVE_OUTPUT=128 HF_DEVICE=cuda
   fi
   GBPS=$(gb_per_s "$GPU_NAME")

@@ -57,11 +57,9 @@ check_call() {
   mkdir -p "$work/$call-results" && tar -C "$work/$call-results" -xzf "$out/results.tar.gz" || fail "$call: no archive"
 }
 
-# relgen_*_cublas: bf16 weights through cuBLAS need a build that has that path; the dry run asks only
-# that the stage was planned and recorded.
 check_call call1 480 unpack device=skip cuda_backend_test \
-  make_mpt-7b relgen_mpt-7b_mma relgen_mpt-7b_invariant relgen_mpt-7b_cublas=any \
-  make_bloom-560m relgen_bloom-560m_mma relgen_bloom-560m_invariant relgen_bloom-560m_cublas=any \
+  make_mpt-7b relgen_mpt-7b_mma relgen_mpt-7b_invariant relgen_mpt-7b_cublas \
+  make_bloom-560m relgen_bloom-560m_mma relgen_bloom-560m_invariant relgen_bloom-560m_cublas \
   serve_bloom-560m_overlap serve_bloom-560m_nooverlap make_flan-t5-base relgen_flan-t5-base_mma \
   hf_mpt-7b hf_bloom-560m hf_flan-t5-base
 check_call call2 240 unpack ncu_mpt-7b_b64=skip memcheck_tensor_cores=skip racecheck_tensor_cores=skip \
@@ -79,13 +77,19 @@ done
 
 grep -q '^reusing ' "$work/call2-results/unpack.log" || fail "call2 did not reuse call1's unpacked files"
 for f in call1-results/device.txt call1-results/cuda_backend_test.json \
-  call1-results/relgen_{mpt-7b_mma,mpt-7b_invariant,bloom-560m_mma,bloom-560m_invariant,flan-t5-base_mma}.json \
+  call1-results/relgen_{mpt-7b_mma,mpt-7b_invariant,mpt-7b_cublas,bloom-560m_mma,bloom-560m_invariant}.json \
+  call1-results/relgen_{bloom-560m_cublas,flan-t5-base_mma}.json \
   call1-results/serve_bloom-560m_{overlap,nooverlap}.json call1-results/hf_{mpt-7b,bloom-560m,flan-t5-base}.json \
   call2-results/relgen_mpt-7b_ctx64_{mma,invariant}.json; do
   [ -s "$work/$f" ] || fail "no $f"
 done
 for f in "$work"/call*-results/relgen_*.json; do
   grep -q '"relgen_decode_tps"' "$f" || fail "$f holds no decode figure"
+done
+# The host's share of a step, read from the server's metrics around each load.
+for mode in overlap nooverlap; do
+  grep -Eq '^host per step: plan\+build [0-9.]+ ms, wait [0-9.]+ ms, .*host share [0-9.]+%' \
+    "$work/call1-results/serve_bloom-560m_$mode.log" || fail "serve_bloom-560m_$mode printed no host share"
 done
 if [ "$errors" = 0 ]; then
   echo "gpu_check_dry_run: both calls as planned"
