@@ -82,36 +82,16 @@ TEST(EmulatedServerTest, ServesWhatTheCpuServerServes) {
   EXPECT_EQ(emu->Wait(), 0);
 }
 
-// A GPU's defaults: bf16 weights and a bf16 cache, said at startup, and serving.
-TEST(EmulatedServerTest, DefaultsToBf16) {
-  auto emu = StartBinary(EmuBinary(), Args("cuda"));
-  EXPECT_THAT(emu->startup_output(), HasSubstr("bf16 (invariant projections) weights) on simt-emulator:0"));
+// A server started with `more` says `startup` and, in GetModelInfo, bf16 weights and `projections`
+// with their batch invariance; and serves a greedy request.
+void ExpectServesAndSays(const std::vector<std::string>& more, const std::string& startup,
+                         const std::string& projections, bool batch_invariant) {
+  auto emu = StartBinary(EmuBinary(), Args("cuda", more));
+  EXPECT_THAT(emu->startup_output(), HasSubstr(startup));
   EXPECT_THAT(emu->startup_output(), HasSubstr(" tokens (bf16, "));
-  std::vector<int32_t> prompt = {5, 17, 29, 41, 53, 65, 77};
-  v1::GenerateRequest r = TokenRequest(prompt, 4);
+  v1::GenerateRequest r = TokenRequest({5, 17, 29, 41, 53, 65, 77}, 4);
   r.set_temperature(0);
   auto stub = Stub(*emu);
-  const Collected got = Stream(*stub, r);
-  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-  EXPECT_EQ(got.tokens.size(), 4u);
-  grpc::ClientContext ctx;
-  v1::ModelInfo info;
-  ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
-  EXPECT_EQ(info.projections(), "invariant projections");
-  EXPECT_TRUE(info.batch_invariant());
-  emu->Signal(SIGTERM);
-  EXPECT_EQ(emu->Wait(), 0);
-}
-
-// cuBLAS's projections over bf16 weights serve, and the startup line and GetModelInfo say that a
-// request's outputs may change with what is batched beside it.
-TEST(EmulatedServerTest, CublasSaysItIsNotBatchInvariant) {
-  auto emu = StartBinary(EmuBinary(), Args("cuda", {"--cuda_gemm", "cublas"}));
-  EXPECT_THAT(emu->startup_output(),
-              HasSubstr("bf16 (cublas bf16 tensor-core projections, not batch invariant) weights) on simt-emulator:0"));
-  auto stub = Stub(*emu);
-  v1::GenerateRequest r = TokenRequest({3, 14, 15, 92, 65}, 4);
-  r.set_temperature(0);
   const Collected got = Stream(*stub, r);
   ASSERT_TRUE(got.status.ok()) << got.status.error_message();
   EXPECT_EQ(got.tokens.size(), 4u);
@@ -119,10 +99,23 @@ TEST(EmulatedServerTest, CublasSaysItIsNotBatchInvariant) {
   v1::ModelInfo info;
   ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
   EXPECT_EQ(info.compute_weights_dtype(), "bf16");
-  EXPECT_EQ(info.projections(), "cublas bf16 tensor-core projections, not batch invariant");
-  EXPECT_FALSE(info.batch_invariant());
+  EXPECT_EQ(info.projections(), projections);
+  EXPECT_EQ(info.batch_invariant(), batch_invariant);
   emu->Signal(SIGTERM);
   EXPECT_EQ(emu->Wait(), 0);
+}
+
+// A GPU's defaults: bf16 weights and a bf16 cache, said at startup, and serving.
+TEST(EmulatedServerTest, DefaultsToBf16) {
+  ExpectServesAndSays({}, "bf16 (invariant projections) weights) on simt-emulator:0", "invariant projections", true);
+}
+
+// cuBLAS's projections over bf16 weights serve, and the startup line and GetModelInfo say that a
+// request's outputs may change with what is batched beside it.
+TEST(EmulatedServerTest, CublasSaysItIsNotBatchInvariant) {
+  ExpectServesAndSays({"--cuda_gemm", "cublas"},
+                      "bf16 (cublas bf16 tensor-core projections, not batch invariant) weights) on simt-emulator:0",
+                      "cublas bf16 tensor-core projections, not batch invariant", false);
 }
 
 // The first kernel of the first step faults: that request and every later one fail UNAVAILABLE
