@@ -83,6 +83,7 @@ BUDGETS = {
     "BiasActivateKernel": Budget(threads=256, regs=32),  # 100%
     "GatedKernel": Budget(threads=256, regs=32),  # 100%
     "AddKernel": Budget(threads=256, regs=32),  # 100%
+    "RoundToBf16Kernel": Budget(threads=256, regs=32),  # 100%: cuBLAS's bf16 operand, one element a thread
     "WriteKvKernel": Budget(threads=64, regs=32),  # 100%: 32 blocks x 2 warps
     "AttentionKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps; causal and bidirectional
     "AttentionTileKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (4 query rows of state per lane)
