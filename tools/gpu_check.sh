@@ -20,7 +20,7 @@
 # call2: unpack (call1's files reused when the pack is the same), ncu_mpt-7b_b64 (Nsight Compute,
 #   --clock-control none, gpu__time_duration.sum of the projection and attention kernels, batch 64,
 #   3 decode steps), memcheck_tensor_cores and racecheck_tensor_cores (compute-sanitizer on the
-#   tensor-core tests), relgen_mpt-7b_ctx<long>_<gemm> (batches 1 and 64, mma and invariant) on
+#   tensor-core tests), relgen_mpt-7b_ctx<long>_<gemm> (batches 1 and 32, mma and invariant) on
 #   call1's mpt-7b checkpoint (kept under $GPU_CHECK_WORK/shapes).
 #
 # Each call prints its stage table first (stage, limit in seconds) and refuses (exit 2) when the
@@ -41,7 +41,9 @@
 #                             GPU model; 1 every shape; 0 none
 #   GPU_CHECK_LIMIT_<stage>=S a stage's limit in seconds (the budget check still applies)
 #   GPU_CHECK_SKIP=a,b        stages left out (names as in the table; shell patterns allowed)
-#   GPU_CHECK_CONTEXT=512, GPU_CHECK_LONG_CONTEXT=2048, GPU_CHECK_LONG_BATCHES=1,32 (64 x 2048 tokens of mpt-7b K/V, 69 GB, and its 13 GB of weights pass an H100's 80 GB), GPU_CHECK_STEPS=8
+#   GPU_CHECK_CONTEXT=512, GPU_CHECK_LONG_CONTEXT=2048, GPU_CHECK_STEPS=8
+#   GPU_CHECK_LONG_BATCHES=1,32  (at 64, mpt-7b's 69 GB of K/V and 13 GB of weights pass an H100's
+#                                80 GB; 1,64 on an H200)
 #   GPU_CHECK_TEST_FILTER     gtest filter of cuda_backend_test (default: every test)
 #   GPU_CHECK_SANITIZE_FILTER gtest filter of the compute-sanitizer stages (default: the tensor-core tests)
 #   GPU_CHECK_SERVE_GEMM=mma  relgen-server's --cuda_gemm in the serve stages
