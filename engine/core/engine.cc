@@ -1152,11 +1152,10 @@ absl::Status Engine::Launch(StepBatch* b) {
   return absl::OkStatus();
 }
 
-void Engine::Land(StepBatch& b) {
+absl::Duration Engine::Land(StepBatch& b) {
   const auto asked = std::chrono::steady_clock::now();
   absl::Status st = backend_->Collect(&b.answers);
-  step_wait_ += absl::FromChrono(std::chrono::steady_clock::now() - asked);
-  step_landed_ = true;
+  const absl::Duration waited = absl::FromChrono(std::chrono::steady_clock::now() - asked);
   if (st.ok() && b.answers.size() != b.queries.size()) {
     st = absl::InternalError(absl::StrCat("the backend answered ", b.answers.size(), " of ", b.queries.size(), " rows"));
   }
@@ -1175,6 +1174,7 @@ void Engine::Land(StepBatch& b) {
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done && s->in_flight == 0; }),
                  running_.end());
   Account(&b);
+  return waited;
 }
 
 void Engine::Commit(StepBatch& b, const absl::Status& st) {
@@ -1236,8 +1236,8 @@ void Engine::Step(bool plan) {
   // requests' timings.
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
-  step_wait_ = absl::ZeroDuration();
-  step_landed_ = false;
+  absl::Duration wait;   // blocked in the landings' Collect calls
+  bool landed = false;
   absl::Duration landed_in_plan;  // a landing forced by a preemption, not part of the plan's time
   // Taken in before `now` is read, so that no request is scheduled before it was submitted.
   if (plan) TakeInbox();
@@ -1249,7 +1249,8 @@ void Engine::Step(bool plan) {
       // It would preempt: the step in flight lands first, then the plan is made again.
       std::unique_ptr<StepBatch> b = std::move(in_flight_);
       const Clock::time_point landing = Clock::now();
-      Land(*b);
+      wait += Land(*b);
+      landed = true;
       landed_in_plan = absl::FromChrono(Clock::now() - landing);
       Reap(now);
       next = std::make_unique<StepBatch>();
@@ -1265,14 +1266,16 @@ void Engine::Step(bool plan) {
   // The step in flight lands while the one just launched runs.
   if (in_flight_ != nullptr && backend_->Broken().ok()) {
     std::unique_ptr<StepBatch> b = std::move(in_flight_);
-    Land(*b);
+    wait += Land(*b);
+    landed = true;
   }
   if (launching && !st.ok()) {
     Commit(*next, st);
   } else if (launching && config_.overlap_steps && config_.background_thread && backend_->asynchronous()) {
     in_flight_ = std::move(next);
   } else if (launching) {
-    Land(*next);
+    wait += Land(*next);
+    landed = true;
   }
   if (!backend_->Broken().ok()) {
     // Nothing can run any more: everything outstanding fails now, and Submit refuses from here on.
@@ -1288,11 +1291,11 @@ void Engine::Step(bool plan) {
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](auto& s) { return s->done && s->in_flight == 0; }),
                  running_.end());
   Account(nullptr);
-  if (!launching && !step_landed_) return;  // nothing ran: no step to time
+  if (!launching && !landed) return;  // nothing ran: no step to time
   StepHostTimes t;
   t.step = absl::FromChrono(Clock::now() - start);
   t.plan = absl::FromChrono(launched - start) - landed_in_plan;
-  t.wait = step_wait_;
+  t.wait = wait;
   t.land = t.step - t.plan - t.wait;  // every Collect lies within the landings, so never negative
   if (config_.observer) config_.observer->OnStepHostTimes(t);
   std::unique_lock<std::mutex> lock(mu_);

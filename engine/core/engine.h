@@ -308,7 +308,8 @@ class Engine {
   bool Plan(absl::Time now, StepBatch* b);
   void BuildInputs(StepBatch* b);
   absl::Status Launch(StepBatch* b);  // non-OK: the step failed (failure_ set when the device broke)
-  void Land(StepBatch& b);            // collect, tokens in place, Commit, Account
+  // Collect, tokens in place, Commit, Account; returns the time blocked in Collect.
+  absl::Duration Land(StepBatch& b);
   absl::Status Failed(const absl::Status& st);  // a failed launch or collect, to the books
   void Commit(StepBatch& b, const absl::Status& st);
   void AccountPlan(const StepBatch& planned);  // preemptions, prefix-cache lookups
@@ -342,9 +343,6 @@ class Engine {
   std::vector<std::unique_ptr<Seq>> forks_;
   int64_t next_seq_id_ = 0;
   std::unique_ptr<StepBatch> in_flight_;  // launched, not yet landed (overlap_steps)
-  // The current iteration's landings: time blocked in Collect, and whether any step landed.
-  absl::Duration step_wait_;
-  bool step_landed_ = false;
   std::thread thread_;
 };
 
