@@ -77,7 +77,7 @@ class Budget(NamedTuple):
 
 
 BUDGETS = {
-    # kernels/cuda/decoder_kernels.cu
+    # kernels/cuda/elementwise.cu, linear.cu, kv_write.cu, attention.cu
     "EmbeddingKernel": Budget(threads=256, regs=32),  # 100%: 8 blocks x 8 warps
     "NormKernel": Budget(threads=256, regs=32),  # 100%
     "BiasActivateKernel": Budget(threads=256, regs=32),  # 100%
