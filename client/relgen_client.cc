@@ -91,6 +91,10 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "relgen-client: %s\n\n%s", error.c_str(), Usage().c_str());
     return kUsageExit;
   }
+  if (o.help) {
+    std::fputs(Usage().c_str(), stdout);
+    return 0;
+  }
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!o.tls_ca.empty()) {
     std::ifstream in(o.tls_ca);

@@ -78,6 +78,10 @@ std::string Usage() {
 }
 
 std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) {
+  if (!args.empty() && (args[0] == "--help" || args[0] == "-h" || args[0] == "help")) {
+    out->help = true;
+    return "";
+  }
   if (args.empty()) return "a command is required: generate, score, info or health";
   out->command = args[0];
   if (out->command != "generate" && out->command != "score" && out->command != "info" && out->command != "health") {
@@ -104,6 +108,10 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
       *target = !has_inline || value == "true" || value == "1";
       return std::string();
     };
+    if (flag == "--help") {
+      out->help = true;
+      return "";
+    }
     if (score && (flag == "--stream" || flag == "--ignore_eos")) return flag + " does not apply to score";
     if (flag == "--stream") { boolean(&out->stream); continue; }
     if (flag == "--json") { boolean(&out->json); continue; }

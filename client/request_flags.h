@@ -11,6 +11,7 @@ namespace relgen::client {
 
 struct ClientOptions {
   std::string command;  // generate | score | info | health
+  bool help = false;    // --help (where a flag may stand), or -h / help as the command: Usage(), exit 0
   std::string server = "localhost:50051";
   bool stream = false;
   bool json = false;
@@ -34,7 +35,9 @@ const std::vector<FieldFlag>& ScoreFlags();
 
 // Parses argv (without the program name). Positional words after the command form the prompt
 // (score: the context).
-// Returns an empty string on success, else what is wrong (for a usage message).
+// Returns an empty string on success, else what is wrong (for a usage message). --help where a flag
+// may stand wins over the rest of the line, so `relgen-client generate --help` answers rather than
+// generates; "help" after the command is a prompt word like any other.
 std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out);
 
 std::string Usage();

@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
@@ -25,16 +26,18 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "engine/backends/cpu_backend.h"
 #include "engine/backends/device.h"
 #include "engine/core/engine.h"
-#include "kernels/cpu/gemm.h"
 #include "server/http_listener.h"
 #include "server/metrics.h"
 #include "server/openai_api.h"
@@ -200,8 +203,48 @@ int WaitForStopSignal(const sigset_t& signals, const std::function<bool()>& give
   }
 }
 
+// absl's own --help lists only the flags of a file named after the binary (relgen-server.cc) and
+// exits 1, so it printed "No flags matched" for these, defined in server/main.cc. Asking for help
+// is not an error: the flags are listed here, sorted, and the process exits 0. --helpfull stays
+// absl's (every flag linked in, gRPC's and absl's own too).
+bool WantsHelp(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view a = argv[i];
+    if (a == "--help" || a == "-help" || a == "--helpshort" || a == "-helpshort" || a == "-h") return true;
+  }
+  return false;
+}
+
+void PrintHelp() {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::EndsWith(flag->Filename(), "server/main.cc")) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  std::string out = absl::StrCat(absl::ProgramUsageMessage(), "\n\nflags:\n");
+  for (const absl::CommandLineFlag* f : flags) {
+    const bool text = f->IsOfType<std::string>();
+    absl::StrAppend(&out, "  --", f->Name(), " (default ", text ? "\"" : "", f->DefaultValue(), text ? "\"" : "", ")\n");
+    // The help, wrapped at 100 columns under the flag.
+    std::string line = "     ";
+    for (absl::string_view word : absl::StrSplit(f->Help(), ' ', absl::SkipEmpty())) {
+      if (line.size() + 1 + word.size() > 100 && line.size() > 5) {
+        absl::StrAppend(&out, line, "\n");
+        line = "     ";
+      }
+      absl::StrAppend(&line, " ", word);
+    }
+    absl::StrAppend(&out, line, "\n");
+  }
+  std::fputs(out.c_str(), stdout);
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage("relgen-server [--model DIR] [--listen HOST:PORT] [--metrics_listen HOST:PORT] ...");
+  if (WantsHelp(argc, argv)) {
+    PrintHelp();
+    return 0;
+  }
   absl::ParseCommandLine(argc, argv);
   Options o;
   o.model = absl::GetFlag(FLAGS_model);

@@ -118,6 +118,27 @@ TEST(ClientFlagsTest, ScoreFlagsCoverTheScoreRequest) {
   EXPECT_FALSE(o.request.has_text()) << "score fills the ScoreRequest only";
 }
 
+// --help answers wherever a flag may stand; "help" is a command only in the command's place, and a
+// "--help" that is another flag's value stays that value.
+TEST(ClientFlagsTest, Help) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"--help"}, {"-h"}, {"help"}, {"generate", "--help"}, {"score", "--top_logprobs", "2", "--help"},
+           {"generate", "--seed", "3", "--help"}}) {
+    client::ClientOptions o;
+    EXPECT_EQ(client::ParseArgs(args, &o), "") << args.back();
+    EXPECT_TRUE(o.help) << args.back();
+  }
+  client::ClientOptions words;
+  ASSERT_EQ(client::ParseArgs({"generate", "help", "me"}, &words), "");
+  EXPECT_FALSE(words.help);
+  EXPECT_EQ(words.request.text(), "help me");
+  client::ClientOptions value;
+  ASSERT_EQ(client::ParseArgs({"generate", "--stop", "--help", "x"}, &value), "");
+  EXPECT_FALSE(value.help);
+  EXPECT_THAT(value.request.stop(), ::testing::ElementsAre("--help"));
+  EXPECT_THAT(client::Usage(), HasSubstr("--max_new_tokens"));
+}
+
 TEST(ClientFlagsTest, UsageErrors) {
   client::ClientOptions o;
   EXPECT_THAT(client::ParseArgs({}, &o), HasSubstr("a command is required"));

@@ -23,7 +23,7 @@
 #include "engine/core/engine.h"
 #include "engine/tokenizers/tokenizer.h"
 #include "kernels/cpu/attention.h"
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/relpos_device.h"

@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/sampler_kernels.h"

@@ -205,12 +205,12 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
   s.Update(GetInt(j, "head_dim", "head_dim", 1, 4096, &c.head_dim, false));
   s.Update(GetInt(j, "ffn_dim", "ffn_dim", 1, 1 << 18, &c.ffn_dim, true));
   s.Update(GetInt(j, "max_seq_len", "max_seq_len", 1, kMaxDim, &c.max_seq_len, true));
-  s.Update(GetEnum<cpu::Activation>(j, "ffn_activation", "ffn_activation",
-                                    {{"relu", cpu::Activation::kRelu},
-                                     {"gelu", cpu::Activation::kGelu},
-                                     {"gelu_tanh", cpu::Activation::kGeluTanh},
-                                     {"silu", cpu::Activation::kSilu}},
-                                    &c.ffn_activation, false));
+  s.Update(GetEnum<Activation>(j, "ffn_activation", "ffn_activation",
+                               {{"relu", Activation::kRelu},
+                                {"gelu", Activation::kGelu},
+                                {"gelu_tanh", Activation::kGeluTanh},
+                                {"silu", Activation::kSilu}},
+                               &c.ffn_activation, false));
   s.Update(GetBool(j, "ffn_gated", "ffn_gated", &c.ffn_gated, false));
   s.Update(GetEnum<NormKind>(j, "norm", "norm",
                              {{"layernorm", NormKind::kLayerNorm}, {"rmsnorm", NormKind::kRmsNorm}},

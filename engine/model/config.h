@@ -6,7 +6,7 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/activation.h"
 #include "kernels/relpos.h"
 
 namespace relgen {
@@ -42,7 +42,7 @@ struct ModelConfig {
   int n_heads = 0;
   int head_dim = 0;
   int ffn_dim = 0;
-  cpu::Activation ffn_activation = cpu::Activation::kGelu;
+  Activation ffn_activation = Activation::kGelu;
   bool ffn_gated = false;
   NormKind norm = NormKind::kLayerNorm;
   NormPlacement norm_placement = NormPlacement::kPre;

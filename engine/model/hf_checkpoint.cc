@@ -305,7 +305,7 @@ absl::Status MapBloom(Keys& k, ModelConfig& c, Family& f) {
             "bias_dropout_fusion", "skip_bias_add", "skip_bias_add_qkv", "offset_alibi"});
   c.head_dim = c.d_model / c.n_heads;
   c.ffn_dim = 4 * c.d_model;
-  c.ffn_activation = cpu::Activation::kGeluTanh;
+  c.ffn_activation = Activation::kGeluTanh;
   c.norm = NormKind::kLayerNorm;
   c.norm_placement = NormPlacement::kPre;
   c.embedding_norm = true;
@@ -399,7 +399,7 @@ absl::Status MapMpt(Keys& k, ModelConfig& c, Family& f) {
   if (!s.ok()) return s;
   c.head_dim = c.d_model / c.n_heads;
   c.ffn_dim = expansion * c.d_model;
-  c.ffn_activation = cpu::Activation::kGelu;
+  c.ffn_activation = Activation::kGelu;
   c.norm = NormKind::kLayerNorm;
   c.norm_placement = NormPlacement::kPre;
   c.linear_bias = !no_bias;
@@ -463,10 +463,10 @@ absl::Status MapT5(Keys& k, ModelConfig& c, Family& f, const std::string& model_
   if (const json* v = k.Get("dense_act_fn"); v != nullptr && v->is_string()) act = v->get<std::string>();
   s.Update(k.Bool("is_gated_act", &gated));
   if (!s.ok()) return s;
-  static const std::map<std::string, cpu::Activation> kActs = {{"relu", cpu::Activation::kRelu},
-                                                              {"gelu_new", cpu::Activation::kGeluTanh},
-                                                              {"gelu_pytorch_tanh", cpu::Activation::kGeluTanh},
-                                                              {"gelu", cpu::Activation::kGelu}};
+  static const std::map<std::string, Activation> kActs = {{"relu", Activation::kRelu},
+                                                         {"gelu_new", Activation::kGeluTanh},
+                                                         {"gelu_pytorch_tanh", Activation::kGeluTanh},
+                                                         {"gelu", Activation::kGelu}};
   auto a = kActs.find(act);
   if (a == kActs.end()) {
     return k.Error("feed_forward_proj", absl::StrCat("is '", proj, "' (activation '", act, "'", gated ? ", gated" : "",

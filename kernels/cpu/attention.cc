@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 
 namespace relgen::cpu {
 

@@ -10,7 +10,7 @@
 #include <immintrin.h>
 
 #include "kernels/cpu/attention.h"
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/relpos.h"
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/relpos.h"
 

@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 
 #include <cpuid.h>
 #include <sys/mman.h>

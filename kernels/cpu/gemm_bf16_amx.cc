@@ -8,7 +8,7 @@
 #include <immintrin.h>
 
 #include "kernels/cpu/amx_tiles.h"
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu/gemm.h"
 
 #if defined(__clang__)

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "kernels/cpu/amx_tiles.h"
-#include "kernels/cpu/bf16.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu/gemm.h"
 
 namespace relgen::cpu::RELGEN_BF16_AMX_NS {

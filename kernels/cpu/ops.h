@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace relgen::cpu {
+#include "kernels/activation.h"
 
-enum class Activation : int32_t { kRelu, kGelu, kGeluTanh, kSilu };
+namespace relgen::cpu {
 
 // y[rows, out] = x[rows, in] * w[out, in]^T (+ bias[out] when not null) through cblas. y must not
 // alias x. The decoder uses LinearPacked (gemm.h) instead: cblas rows depend on the row count.

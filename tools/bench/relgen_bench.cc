@@ -23,8 +23,9 @@
 
 namespace {
 
-int Usage() {
-  std::fprintf(stderr,
+// To stderr with status 64 after a usage error; to stdout with status 0 when help was asked for.
+int Usage(bool asked = false) {
+  std::fprintf(asked ? stdout : stderr,
                "usage: relgen-bench memory [--lengths 512,1024,2048] [--d_model 512] [--heads 8]\n"
                "       relgen-bench batching --model DIR [--sequences 16] [--prompt 16] [--new 128] [--threads 0]\n"
                "                             [--sequential 1]   (0: the concurrent run only)\n"
@@ -48,7 +49,7 @@ int Usage() {
                "       relgen-bench accuracy --model DIR [--weights_dtype f32,bf16,mma,bf16-dot,int8] [--kv_cache_dtype f32,bf16]\n"
                "                             [--fortunes DIR] [--window 256]\n"
                "                             [--max_windows 0] [--greedy_tokens 1000] [--threads 0] [--json FILE]\n");
-  return 64;
+  return asked ? 0 : 64;
 }
 
 bool Ints(const std::string& v, std::vector<int>* out) {
@@ -66,6 +67,14 @@ bool Ints(const std::string& v, std::vector<int>* out) {
 int main(int argc, char** argv) {
   if (argc < 2) return Usage();
   const std::string cmd = argv[1];
+  // Help as the command, or in a flag's place: every flag but --no_torch takes the next word as its
+  // value, as the parse below reads them.
+  if (cmd == "--help" || cmd == "-h" || cmd == "help") return Usage(true);
+  for (int i = 2; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--help") return Usage(true);
+    if (f != "--no_torch") ++i;
+  }
   std::vector<std::pair<std::string, std::string>> flags;
   for (int i = 2; i < argc; ++i) {
     std::string f = argv[i];
