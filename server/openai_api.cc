@@ -351,27 +351,25 @@ std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
 }
 
 // OpenAI's logprobs object, built token by token. A token's text_offset counts the characters of
-// the text decoded before it, so offsets index the choice's text.
+// the choice's text before it, so offsets index that text: a generated token's string and length
+// are the text it added to the output (Output::token_text, the engine's one decoder, which follows
+// skip_special_tokens); an echoed prompt token's are its own text, the prompt decoded token by token.
 class Logprobs {
  public:
-  explicit Logprobs(const Tokenizer* tok) : tok_(tok), decoder_(tok->NewStream()) {}
-  void Add(int32_t token, std::optional<float> logprob, const std::vector<TokenLogprob>* top) {
-    tokens_.push_back(tok_->TokenText(token));
-    token_logprobs_.push_back(logprob ? json(*logprob) : json(nullptr));
-    if (top == nullptr) {
-      top_.push_back(nullptr);
-    } else {
-      json alts = json::object();
-      for (const TokenLogprob& a : *top) {
-        const std::string t = tok_->TokenText(a.token);
-        if (!alts.contains(t)) alts[t] = a.logprob;  // most likely first: keep it where texts repeat
-      }
-      top_.push_back(std::move(alts));
-    }
-    offsets_.push_back(offset_);
-    offset_ += Chars(decoder_->Push(token));
+  explicit Logprobs(const Tokenizer* tok) : tok_(tok), prompt_decoder_(tok->NewStream()) {}
+  // An echoed prompt token.
+  void AddPrompt(int32_t token, std::optional<float> logprob, const std::vector<TokenLogprob>* top) {
+    Add(tok_->TokenText(token), logprob, top);
+    offset_ += Chars(prompt_decoder_->Push(token));
   }
-  void Add(const SampleResult& r) { Add(r.token, r.logprob, &r.top); }
+  void AddPrompt(const SampleResult& r) { AddPrompt(r.token, r.logprob, &r.top); }
+  // Generated tokens start at this character of the choice's text (after the echo, if any).
+  void StartOutput(int64_t offset) { offset_ = offset; }
+  // A generated token and the text it added.
+  void AddOutput(const SampleResult& r, const std::string& piece) {
+    Add(piece, r.logprob, &r.top);
+    offset_ += Chars(piece);
+  }
   json Take() {
     json j{{"tokens", std::move(tokens_)}, {"token_logprobs", std::move(token_logprobs_)},
            {"top_logprobs", std::move(top_)}, {"text_offset", std::move(offsets_)}};
@@ -383,8 +381,25 @@ class Logprobs {
   }
 
  private:
+  void Add(std::string text, std::optional<float> logprob, const std::vector<TokenLogprob>* top) {
+    tokens_.push_back(std::move(text));
+    token_logprobs_.push_back(logprob ? json(*logprob) : json(nullptr));
+    if (top == nullptr) {
+      top_.push_back(nullptr);
+    } else {
+      // The alternatives were not emitted: each is shown as its own text.
+      json alts = json::object();
+      for (const TokenLogprob& a : *top) {
+        const std::string t = tok_->TokenText(a.token);
+        if (!alts.contains(t)) alts[t] = a.logprob;  // most likely first: keep it where texts repeat
+      }
+      top_.push_back(std::move(alts));
+    }
+    offsets_.push_back(offset_);
+  }
+
   const Tokenizer* tok_;
-  std::unique_ptr<StreamDecoder> decoder_;
+  std::unique_ptr<StreamDecoder> prompt_decoder_;
   int64_t offset_ = 0;
   json tokens_ = json::array(), token_logprobs_ = json::array(), top_ = json::array(), offsets_ = json::array();
 };
@@ -449,8 +464,9 @@ struct Call {
     ch.text.insert(0, p.echo_text);
     if (logprobs < 0) return;
     const std::vector<int32_t>& ids = p.admission.prompt;
-    if (!ids.empty()) ch.logprobs->Add(ids[0], std::nullopt, nullptr);
-    for (const SampleResult& r : p.prompt_logprobs) ch.logprobs->Add(r);
+    if (!ids.empty()) ch.logprobs->AddPrompt(ids[0], std::nullopt, nullptr);
+    for (const SampleResult& r : p.prompt_logprobs) ch.logprobs->AddPrompt(r);
+    ch.logprobs->StartOutput(Chars(p.echo_text));
   }
   // Takes a read output into the choice. Returns the final status (OK until the last output).
   grpc::Status Take(Choice& ch, Output& o) {
@@ -462,7 +478,7 @@ struct Call {
     if (!ch.started) Echo(ch);
     ch.text += o.text;
     if (logprobs >= 0) {
-      for (const SampleResult& r : o.logprobs) ch.logprobs->Add(r);
+      for (size_t i = 0; i < o.logprobs.size(); ++i) ch.logprobs->AddOutput(o.logprobs[i], o.token_text.at(i));
     }
     if (!o.finished) return grpc::Status::OK;
     ch.done = true;

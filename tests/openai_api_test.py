@@ -177,9 +177,18 @@ class OpenAIApiTestCase(unittest.TestCase):
         for token, logprob, top, info in zip(tokens, token_logprobs, top_logprobs, infos):
             self.assertIsInstance(token, str)
             if 32 <= info.token_id < 127:
-                self.assertEqual(token, chr(info.token_id))
+                # A generated token's string is the text it added: its character, after the U+FFFD
+                # of an incomplete character before it, which the byte tokenizer releases with it.
+                self.assertEqual(token.lstrip("\ufffd"), chr(info.token_id))
             self.assertAlmostEqual(logprob, info.logprob, delta=TOLERANCE)
             self.assert_top_logprobs(top, info.top, n)
+
+    def assert_tokens_at_offsets(self, logprobs, text):
+        """Generated tokens only (no echo, no stop string): each token's string is the text at its
+        text_offset, and the strings concatenate to the text."""
+        for i, (token, offset) in enumerate(zip(logprobs.tokens, logprobs.text_offset)):
+            self.assertEqual(text[offset:offset + len(token)], token, (i, logprobs))
+        self.assertEqual("".join(logprobs.tokens), text)
 
     def assert_text_offsets(self, offsets, text, first):
         self.assertEqual(offsets[0], first)
@@ -286,6 +295,7 @@ class CompletionsTest(OpenAIApiTestCase):
                                            choice.logprobs.top_logprobs, g.logprobs, 3)
                 self.assertEqual(len(choice.logprobs.text_offset), 20)
                 self.assert_text_offsets(choice.logprobs.text_offset, choice.text, 0)
+                self.assert_tokens_at_offsets(choice.logprobs, choice.text)
                 self.assertEqual(r.usage.prompt_tokens, g.prompt_tokens)
                 self.assertEqual(r.usage.completion_tokens, 20)
                 self.assertEqual(r.usage.total_tokens, g.prompt_tokens + 20)
@@ -362,6 +372,7 @@ class CompletionsTest(OpenAIApiTestCase):
                     self.assertEqual(choice.finish_reason, "length")
                     self.assert_token_logprobs(choice.logprobs.tokens, choice.logprobs.token_logprobs,
                                                choice.logprobs.top_logprobs, sample.logprobs, 1)
+                    self.assert_tokens_at_offsets(choice.logprobs, choice.text)
         self.assertEqual(r.usage.prompt_tokens, prompt_tokens)  # each prompt once, not per sample
         self.assertEqual(r.usage.completion_tokens, len(prompts) * 3 * 12)
         self.assertEqual(r.usage.total_tokens, prompt_tokens + len(prompts) * 3 * 12)

@@ -219,6 +219,30 @@ class ControlsTestBase:
                 "skip_special_tokens": False}
         self.assertEqual(self.post("/v1/completions", body)["choices"][0]["text"], kept.text)
 
+    def test_text_offsets_index_the_text(self):
+        # HTTP logprobs' tokens are the text each token added, so with either skip_special_tokens
+        # every token's string sits at its text_offset in the choice's text, and the strings
+        # concatenate to the text (no stop string cuts it here). The bias makes specials appear.
+        bias = {str(t): 4.0 for t in self.specials}
+        for skip in (True, False):
+            with self.subTest(skip_special_tokens=skip):
+                body = {"model": self.model_name, "prompt": self.prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                        "ignore_eos": True, "logit_bias": bias, "logprobs": 1, "skip_special_tokens": skip}
+                choice = self.post("/v1/completions", body)["choices"][0]
+                text, lp = choice["text"], choice["logprobs"]
+                ids = self.grpc.generate(self.prompt, temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                         logit_bias={int(t): b for t, b in bias.items()},
+                                         skip_special_tokens=skip).token_ids
+                self.assertTrue(any(t in self.specials for t in ids), ids)
+                self.assertEqual(text, self.tokenizer.decode(ids, skip_special_tokens=skip))
+                self.assertEqual(len(lp["tokens"]), NEW_TOKENS)
+                self.assertEqual(len(lp["text_offset"]), NEW_TOKENS)
+                for i, (token, offset) in enumerate(zip(lp["tokens"], lp["text_offset"])):
+                    self.assertEqual(text[offset:offset + len(token)], token, (i, lp))
+                    if i + 1 < NEW_TOKENS:
+                        self.assertEqual(lp["text_offset"][i + 1], offset + len(token), (i, lp))
+                self.assertEqual("".join(lp["tokens"]), text)
+
     def test_bad_values_are_named(self):
         for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 1.5),
                              ("min_tokens", NEW_TOKENS + 1), ("logit_bias", {"100000": 1}),

@@ -8,186 +8,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/core/sequence.h"
 
 namespace relgen {
-
-absl::string_view FinishReasonName(FinishReason r) {
-  switch (r) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kEos: return "eos";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kDeadline: return "deadline";
-    case FinishReason::kError: return "error";
-  }
-  return "?";
-}
-
-// ---------------------------------------------------------------- RequestHandle
-
-void RequestHandle::Deliver(Output&& delta) {
-  std::function<void()> listener;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (closed_) return;
-    Output& p = pending_;
-    p.token_ids.insert(p.token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
-    p.text += delta.text;
-    for (SampleResult& r : delta.logprobs) p.logprobs.push_back(std::move(r));
-    for (SampleResult& r : delta.prompt_logprobs) p.prompt_logprobs.push_back(std::move(r));
-    if (delta.finished) {
-      p.finished = true;
-      p.finish_reason = delta.finish_reason;
-      p.status = delta.status;
-      p.prompt_tokens = delta.prompt_tokens;
-      p.generated_tokens = delta.generated_tokens;
-      p.timing = delta.timing;
-      p.beam_score = delta.beam_score;
-      closed_ = true;
-    }
-    has_pending_ = true;
-    listener = listener_;
-  }
-  readable_cv_.notify_all();
-  if (listener) listener();
-}
-
-bool RequestHandle::Next(Output* out, absl::Duration timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (drained_) return false;
-  if (timeout == absl::InfiniteDuration()) {
-    readable_cv_.wait(lock, [this] { return has_pending_; });
-  } else if (!readable_cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout), [this] { return has_pending_; })) {
-    return false;
-  }
-  *out = std::move(pending_);
-  pending_ = Output();
-  has_pending_ = false;
-  if (out->finished) drained_ = true;
-  return true;
-}
-
-void RequestHandle::Cancel(FinishReason reason) {
-  if (reason != FinishReason::kDeadline) reason = FinishReason::kCancelled;
-  if (!cancel_.load(std::memory_order_acquire)) cancel_reason_.store(reason, std::memory_order_release);
-  cancel_.store(true, std::memory_order_release);
-  std::function<void()> listener;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (closed_) return;
-    // Unread output is dropped: nothing reaches the reader after Cancel.
-    pending_ = Output();
-    pending_.finished = true;
-    pending_.finish_reason = cancel_reason();
-    if (pending_.finish_reason == FinishReason::kDeadline) pending_.status = absl::DeadlineExceededError("deadline passed");
-    has_pending_ = true;
-    closed_ = true;
-    listener = listener_;
-  }
-  readable_cv_.notify_all();
-  if (listener) listener();
-}
-
-void RequestHandle::SetListener(std::function<void()> listener) {
-  bool readable;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    listener_ = listener;
-    readable = has_pending_;
-  }
-  if (readable && listener) listener();
-}
-
-// ---------------------------------------------------------------- Engine
-
-struct Engine::Seq {
-  int64_t id = 0;
-  std::shared_ptr<RequestHandle> handle;
-  Request req;
-  std::vector<int32_t> tokens;  // prompt (encoder-decoder: decoder_start_token_id), then generated
-  int num_computed = 0;         // tokens whose K/V are in `blocks`
-  std::vector<int32_t> blocks;
-  std::vector<int32_t> cross_blocks;  // encoder-decoder: the input's cross-attention K/V, once encoded
-  int generated = 0;             // tokens delivered
-  int drawn = 0;                 // draws launched: generated, and the one of a step in flight
-  // tokens[pending_pos] is a placeholder for the draw of the latest launched step, not yet landed
-  // (its query there: pending_query); -1 when none.
-  int pending_pos = -1, pending_query = -1;
-  int in_flight = 0;  // launched steps holding the sequence, not yet landed: it outlives them
-  std::unique_ptr<StreamDecoder> detok;
-  std::string held;  // decoded text held back while it may begin a stop string
-  bool done = false;
-  absl::Time submitted, scheduled = absl::InfinitePast(), first_token = absl::InfinitePast();
-  absl::Time last_token = absl::InfinitePast();
-
-  bool follower = false;  // a later sample or continuation of a group (its prompt is the leader's)
-  // Scoring: tokens[score_from..] are the continuation, scored and never sampled; -1 when generating.
-  int score_from = -1;
-  std::vector<SampleResult> scores;        // one per continuation token computed so far
-  std::vector<SampleResult> prompt_lps;    // prompt tokens 1.. computed so far (prompt_logprobs)
-  bool prompt_lps_delivered = false;
-  // Prefix chain of the registered (or hit) blocks: chain[b] is the cursor past blocks[b].
-  std::vector<PrefixCursor> chain;
-  std::vector<int32_t> hits;  // waiting: prefix-cache hits planned for admission
-  // The group's later members, started when this one has computed fork_tokens tokens (whole
-  // blocks): each takes references to those blocks (and the input's K/V of an encoder-decoder model).
-  std::vector<std::unique_ptr<Seq>> followers;
-  int fork_tokens = 0;
-  // Beam search: the group, this beam's place in it, and whether its candidates for the group's
-  // step are in (it then waits for its siblings', computing nothing).
-  std::shared_ptr<BeamGroup> beam;
-  int beam_index = -1;
-  bool beam_answered = false;
-
-  // First token whose logits are needed (its row predicts the next token): nothing before it may come
-  // from the prefix cache, which holds K/V and no logits.
-  int LogitsFrom() const {
-    if (score_from >= 0) return score_from - 1;
-    if (req.prompt_logprobs >= 0 && !prompt_lps_delivered) return 0;
-    return static_cast<int>(tokens.size()) - 1;
-  }
-  // Something to compute in the next step: not finished, tokens not yet in the cache, and not
-  // waiting only for a draw that ends it (max_new_tokens).
-  bool Runnable() const {
-    return !done && num_computed < static_cast<int>(tokens.size()) && !beam_answered &&
-           (score_from >= 0 || drawn < req.stop.max_new_tokens);
-  }
-  // A beam whose candidates are in, holding its blocks while its siblings compute.
-  bool Idle() const { return !done && beam_answered && in_flight == 0; }
-};
-
-struct Engine::BeamGroup {
-  explicit BeamGroup(const BeamConfig& c) : search(c) {}
-  BeamSearch search;
-  std::vector<std::shared_ptr<RequestHandle>> handles;  // one per returned sequence
-  std::vector<Seq*> members;  // the live beams, in the search's order
-  std::vector<std::vector<TokenLogprob>> candidates;  // per member, for the step under way
-  bool ended = false;
-  int prompt_tokens = 0;
-  bool skip_special_tokens = true;
-  absl::Time submitted;
-  absl::Time scheduled = absl::InfinitePast();  // its first admission
-};
-
-// One step, from the plan to what the backend answered.
-struct Engine::StepBatch {
-  // Where an answer goes: a prompt token's log-probabilities, a continuation token's score, or
-  // the sequence's next token.
-  enum class Use { kPromptLogprob, kScore, kDraw, kBeam };
-  Schedule plan;
-  std::vector<Seq*> seqs;  // the plan's chunks, in order
-  std::vector<SequenceStep> steps;
-  std::vector<RowQuery> queries;
-  std::vector<Use> uses;           // per query
-  std::vector<int> first_query;    // per sequence, then one past the last
-  std::vector<int> lengths;        // per sequence: its tokens when the step was built
-  std::vector<int> ends;           // per sequence: tokens in the cache once the step has run
-  std::vector<int> placeholders;   // per sequence: the position its draw fills, or -1 (Launch)
-  std::vector<SampleResult> answers;
-  int step_tokens = 0, prefill_tokens = 0, encoder_tokens = 0;
-  int64_t queried = 0, hit_tokens = 0;  // prefix cache, admissions of this step
-};
 
 Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> backend,
                std::shared_ptr<const Tokenizer> tokenizer, EngineConfig config)
@@ -498,7 +321,9 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
     } else {
       s->req.sampling.seed = r.sampling.seed + static_cast<uint64_t>(i);
     }
-    s->detok = r.skip_special_tokens ? tokenizer_->NewStream() : tokenizer_->NewStreamWithSpecials();
+    s->text = std::make_unique<TextStream>(
+        r.skip_special_tokens ? tokenizer_->NewStream() : tokenizer_->NewStreamWithSpecials(), r.stop,
+        r.sampling.min_tokens, c.eos_token_id);
     s->submitted = now;
     handles.push_back(s->handle);
     group.push_back(std::move(s));
@@ -618,202 +443,19 @@ void Engine::Loop() {
   FinishAll(FinishReason::kCancelled, absl::UnavailableError("the engine shut down"));
 }
 
-void Engine::FinishAll(FinishReason reason, const absl::Status& status) {
-  std::deque<std::unique_ptr<Seq>> inbox;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    inbox.swap(inbox_);
-  }
-  for (auto* q : {&inbox, &waiting_}) {
-    for (auto& s : *q) Finish(*s, reason, status);
-    q->clear();
-  }
-  for (auto& s : running_) Finish(*s, reason, status);
-  running_.clear();
-  // Finishing a leader orphans its followers; they have none of their own.
-  std::vector<std::unique_ptr<Seq>> orphans;
-  orphans.swap(orphans_);
-  for (auto& s : orphans) Finish(*s, reason, status);
-}
-
-void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
-  if (s.done) return;
-  if (s.beam != nullptr) {
-    EndBeams(*s.beam, reason, status);
-    return;
-  }
-  s.done = true;
-  allocator_.Free(&s.blocks);
-  allocator_.Free(&s.cross_blocks);
-  s.chain.clear();
-  for (auto& f : s.followers) orphans_.push_back(std::move(f));
-  s.followers.clear();
-  BookFinished(0);  // the steps booked its tokens
-  Output o;
-  o.finished = true;
-  o.finish_reason = reason;
-  o.status = std::move(status);
-  o.prompt_tokens = static_cast<int>(s.req.prompt.size());
-  o.generated_tokens = s.generated;
-  if (s.score_from >= 0 && reason == FinishReason::kLength) o.logprobs = std::move(s.scores);
-  const absl::Time now = absl::Now();
-  o.timing.queue = (s.scheduled == absl::InfinitePast() ? now : s.scheduled) - s.submitted;
-  o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;
-  o.timing.total = now - s.submitted;
-  // A group's prompt counts once.
-  Observe(reason, o.status.code(), s.follower ? 0 : o.prompt_tokens, o.generated_tokens, o.timing);
-  s.handle->Deliver(std::move(o));
-}
-
-void Engine::BookFinished(int generated) {
-  // (Finish may run inside a remove_if over these queues: skip moved-from entries.)
-  int running = 0, waiting = 0;
-  for (const auto& r : running_) running += r != nullptr && !r->done ? 1 : 0;
-  for (const auto& w : waiting_) waiting += w != nullptr && !w->done ? 1 : 0;
-  std::unique_lock<std::mutex> lock(mu_);
-  ++stats_.finished;
-  stats_.generation_tokens += generated;
-  stats_.kv_blocks_used = allocator_.num_used();
-  stats_.kv_blocks_cached = allocator_.num_cached();
-  stats_.num_running = running;
-  stats_.num_waiting = waiting + static_cast<int>(inbox_.size());
-}
-
-void Engine::Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated,
-                     const RequestTiming& t) {
-  if (!config_.observer) return;
-  RequestSummary sum;
-  sum.reason = reason;
-  sum.code = code;
-  sum.prompt_tokens = prompt_tokens;
-  sum.generated_tokens = generated;
-  sum.queue = t.queue;
-  sum.time_to_first_token = t.time_to_first_token;
-  sum.e2e = t.total;
-  config_.observer->OnFinished(sum);
-}
-
-void Engine::DropBeam(Seq& s) {
-  s.done = true;
-  allocator_.Free(&s.blocks);
-  allocator_.Free(&s.cross_blocks);
-  s.chain.clear();
-}
-
-void Engine::AnswerBeam(Seq& s, const SampleResult& candidates) {
-  BeamGroup& g = *s.beam;
-  g.candidates[s.beam_index] = candidates.top;
-  s.beam_answered = true;
-  for (const Seq* m : g.members) {
-    if (!m->beam_answered) return;
-  }
-  SelectBeams(g);
-}
-
-void Engine::SelectBeams(BeamGroup& g) {
-  const std::vector<int> parents = g.search.Step(g.candidates);
-  if (g.search.finished()) {
-    EndBeams(g, FinishReason::kNone, absl::OkStatus());
-    return;
-  }
-  const int bs = config_.scheduler.block_size;
-  const int n = static_cast<int>(parents.size());
-  std::vector<Seq*> next(n, nullptr);
-  std::vector<bool> continued(g.members.size(), false);
-  // A parent's first child continues it in place; the others fork from it, sharing its full blocks
-  // (immutable) and recomputing the partial last one, which is never copied: a recompute is at most
-  // block_size - 1 tokens in a step's batch, where a copy would be a device copy per layer.
-  for (int j = 0; j < n; ++j) {
-    if (!continued[parents[j]]) {
-      continued[parents[j]] = true;
-      next[j] = g.members[parents[j]];
-    }
-  }
-  for (int j = 0; j < n; ++j) {
-    if (next[j] != nullptr) continue;
-    const Seq& par = *g.members[parents[j]];
-    auto f = std::make_unique<Seq>();
-    f->handle = par.handle;
-    f->req = par.req;
-    f->tokens = par.tokens;
-    f->submitted = par.submitted;
-    f->scheduled = par.scheduled;
-    f->beam = par.beam;
-    const int shared =
-        config_.share_beam_blocks ? std::min<int>(par.num_computed, static_cast<int>(par.tokens.size())) / bs : 0;
-    allocator_.Share(absl::MakeConstSpan(par.blocks).first(shared), &f->blocks);
-    if (config_.share_beam_blocks) allocator_.Share(par.cross_blocks, &f->cross_blocks);
-    f->num_computed = shared * bs;
-    f->chain.assign(par.chain.begin(), par.chain.begin() + std::min<size_t>(shared, par.chain.size()));
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      f->id = next_seq_id_++;
-    }
-    next[j] = f.get();
-    forks_.push_back(std::move(f));
-  }
-  for (size_t p = 0; p < g.members.size(); ++p) {
-    if (!continued[p]) DropBeam(*g.members[p]);
-  }
-  for (int j = 0; j < n; ++j) {
-    next[j]->tokens.push_back(g.search.tokens(j).back());
-    next[j]->beam_index = j;
-    next[j]->beam_answered = false;
-  }
-  g.members = std::move(next);
-  g.candidates.assign(n, {});
-}
-
-void Engine::EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& status) {
-  if (g.ended) return;
-  g.ended = true;
-  std::vector<BeamHypothesis> results;
-  if (reason == FinishReason::kNone) results = g.search.Result();
-  const int prompt_tokens = g.prompt_tokens;
-  for (Seq* m : g.members) DropBeam(*m);
-  g.members.clear();
-  g.candidates.clear();
-  int generated = 0;
-  for (const BeamHypothesis& h : results) generated += static_cast<int>(h.tokens.size());
-  BookFinished(generated);
-  const absl::Time now = absl::Now();
-  RequestTiming timing;
-  timing.queue = (g.scheduled == absl::InfinitePast() ? now : g.scheduled) - g.submitted;
-  timing.time_to_first_token = results.empty() ? absl::ZeroDuration() : now - g.submitted;
-  timing.total = now - g.submitted;
-  for (size_t j = 0; j < g.handles.size(); ++j) {
-    Output o;
-    o.finished = true;
-    o.finish_reason = reason;
-    o.status = status;
-    o.prompt_tokens = prompt_tokens;
-    o.timing = timing;
-    if (j < results.size()) {
-      const BeamHypothesis& h = results[j];
-      o.token_ids = h.tokens;
-      o.text = tokenizer_->Decode(h.tokens, g.skip_special_tokens);
-      o.finish_reason = h.ended ? FinishReason::kEos : FinishReason::kLength;
-      o.generated_tokens = static_cast<int>(h.tokens.size());
-      o.beam_score = h.score;
-    } else if (reason == FinishReason::kNone) {
-      o.finish_reason = FinishReason::kStop;  // fewer hypotheses than asked for (every token banned)
-    }
-    if (j == 0) Observe(o.finish_reason, o.status.code(), prompt_tokens, generated, timing);
-    g.handles[j]->Deliver(std::move(o));
-  }
-}
-
 void Engine::EndBanned(Seq& s) {
   Output o;
-  if (s.req.prompt_logprobs >= 0 && !s.prompt_lps_delivered) {
-    o.prompt_logprobs = std::move(s.prompt_lps);
-    s.prompt_lps.clear();
-    s.prompt_lps_delivered = true;
-  }
-  o.text = s.held + s.detok->Finish();
-  s.held.clear();
+  TakePromptLogprobs(s, &o);
+  o.text = s.text->Flush();
   s.handle->Deliver(std::move(o));
   Finish(s, FinishReason::kStop);
+}
+
+void Engine::TakePromptLogprobs(Seq& s, Output* o) {
+  if (s.req.prompt_logprobs < 0 || s.prompt_lps_delivered) return;
+  o->prompt_logprobs = std::move(s.prompt_lps);
+  s.prompt_lps.clear();
+  s.prompt_lps_delivered = true;
 }
 
 void Engine::EmitToken(Seq& s, const SampleResult& r) {
@@ -828,55 +470,15 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
     std::unique_lock<std::mutex> lock(mu_);
     ++stats_.generation_tokens;
   }
+  TextDelta d = s.text->Append(r.token);
   Output o;
   o.token_ids.push_back(r.token);
+  o.token_text.push_back(std::move(d.piece));
+  o.text = std::move(d.text);
   if (s.req.sampling.logprobs >= 0) o.logprobs.push_back(r);
-  if (s.req.prompt_logprobs >= 0 && !s.prompt_lps_delivered) {
-    o.prompt_logprobs = std::move(s.prompt_lps);
-    s.prompt_lps.clear();
-    s.prompt_lps_delivered = true;
-  }
-  s.held += s.detok->Push(r.token);
-
-  FinishReason reason = FinishReason::kNone;
-  const std::vector<std::string>& stops = s.req.stop.stop_strings;
-  size_t cut = std::string::npos;  // earliest stop string in the held text (from min_tokens on)
-  if (s.generated >= s.req.sampling.min_tokens) {
-    for (const std::string& stop : stops) cut = std::min(cut, s.held.find(stop));
-  }
-  if (cut != std::string::npos) {
-    o.text = s.held.substr(0, cut);
-    s.held.clear();
-    reason = FinishReason::kStop;
-  } else {
-    if (r.token == model_->config().eos_token_id && !s.req.stop.ignore_eos) {
-      reason = FinishReason::kEos;
-    } else if (std::find(s.req.stop.stop_token_ids.begin(), s.req.stop.stop_token_ids.end(), r.token) !=
-               s.req.stop.stop_token_ids.end()) {
-      reason = FinishReason::kStop;
-    } else if (s.generated >= s.req.stop.max_new_tokens) {
-      reason = FinishReason::kLength;
-    }
-    if (reason != FinishReason::kNone) {
-      o.text = s.held + s.detok->Finish();
-      s.held.clear();
-    } else {
-      // Hold back the longest tail that could still grow into a stop string.
-      size_t keep = 0;
-      for (const std::string& stop : stops) {
-        for (size_t k = std::min(stop.size() - 1, s.held.size()); k > keep; --k) {
-          if (s.held.compare(s.held.size() - k, k, stop, 0, k) == 0) {
-            keep = k;
-            break;
-          }
-        }
-      }
-      o.text = s.held.substr(0, s.held.size() - keep);
-      s.held.erase(0, s.held.size() - keep);
-    }
-  }
+  TakePromptLogprobs(s, &o);
   s.handle->Deliver(std::move(o));
-  if (reason != FinishReason::kNone) Finish(s, reason);
+  if (d.finish != FinishReason::kNone) Finish(s, d.finish);
 }
 
 void Engine::LookupPrefix(Seq& s) {
@@ -986,7 +588,13 @@ bool Engine::Plan(absl::Time now, StepBatch* b) {
   const relgen::Schedule& plan = b->plan;
   // Preemption frees blocks and rewinds sequences: never under a step in flight.
   if (!plan.preempted.empty() && in_flight_ != nullptr) return false;
+  Enact(now, b);
+  return true;
+}
 
+void Engine::Enact(absl::Time now, StepBatch* b) {
+  const int bs = config_.scheduler.block_size;
+  const relgen::Schedule& plan = b->plan;
   // Preempted sequences (newest first) go back to the front of the queue, oldest first, and will
   // recompute their prompt and output so far (from the prefix cache where it still holds them).
   for (int64_t id : plan.preempted) {
@@ -1039,7 +647,6 @@ bool Engine::Plan(absl::Time now, StepBatch* b) {
     if (!allocator_.Allocate(c.new_blocks, &b->seqs[i]->blocks)) std::abort();  // planned
     if (!allocator_.Allocate(c.encoder_blocks, &b->seqs[i]->cross_blocks)) std::abort();
   }
-  return true;
 }
 
 void Engine::BuildInputs(StepBatch* b) {
@@ -1304,61 +911,6 @@ void Engine::Step(bool plan) {
   stats_.host_times.wait += t.wait;
   stats_.host_times.land += t.land;
   stats_.host_times.step += t.step;
-}
-
-void Engine::AccountPlan(const StepBatch& planned) {
-  if (config_.observer && !planned.plan.preempted.empty()) {
-    config_.observer->OnPreemptions(static_cast<int>(planned.plan.preempted.size()));
-  }
-  std::unique_lock<std::mutex> lock(mu_);
-  stats_.prefix_cache_queries += planned.queried;
-  stats_.prefix_cache_hits += planned.hit_tokens;
-  stats_.preemptions += static_cast<int64_t>(planned.plan.preempted.size());
-}
-
-void Engine::Account(const StepBatch* landed) {
-  if (config_.observer && landed != nullptr) {
-    if (!landed->steps.empty()) config_.observer->OnStep(static_cast<int>(landed->steps.size()), landed->step_tokens);
-    if (landed->encoder_tokens > 0) config_.observer->OnEncoded(landed->encoder_tokens);
-  }
-  if (config_.check_invariants) {
-    allocator_.CheckConsistency();
-    // Every reference is held by a sequence the engine knows.
-    int64_t refs = 0, held = 0;
-    for (int32_t blk = 0; blk < allocator_.num_blocks(); ++blk) refs += allocator_.ref_count(blk);
-    auto count = [&](const Seq& s) { held += static_cast<int64_t>(s.blocks.size() + s.cross_blocks.size()); };
-    for (const auto& s : running_) count(*s);
-    for (const auto& s : waiting_) count(*s);
-    for (const auto& s : orphans_) count(*s);
-    if (refs != held) {
-      std::fprintf(stderr, "relgen: %lld KV block references, %lld held by sequences\n",
-                   static_cast<long long>(refs), static_cast<long long>(held));
-      std::abort();
-    }
-  }
-  int parked = static_cast<int>(orphans_.size());
-  for (const auto& s : running_) parked += static_cast<int>(s->followers.size());
-  for (const auto& s : waiting_) parked += static_cast<int>(s->followers.size());
-  std::unique_lock<std::mutex> lock(mu_);
-  for (const auto& s : inbox_) parked += static_cast<int>(s->followers.size());
-  queued_ = static_cast<int>(inbox_.size() + waiting_.size()) + parked;
-  int running = 0;
-  for (const auto& s : running_) running += s->done ? 0 : 1;
-  stats_.num_running = running;
-  stats_.num_waiting = queued_;
-  stats_.kv_blocks_used = allocator_.num_used();
-  stats_.kv_blocks_cached = allocator_.num_cached();
-  stats_.kv_blocks_evicted = allocator_.num_evicted();
-  if (landed != nullptr) {
-    if (!landed->steps.empty()) {
-      ++stats_.steps;
-      stats_.last_step_seqs = static_cast<int>(landed->steps.size());
-      stats_.last_step_tokens = landed->step_tokens;
-    }
-    stats_.prompt_tokens += landed->prefill_tokens;
-    stats_.encoder_tokens += landed->encoder_tokens;
-  }
-  stats_.memory = backend_->memory();
 }
 
 }  // namespace relgen

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "engine/backends/backend.h"
 #include "engine/core/kv_cache.h"
+#include "engine/core/request.h"
 #include "engine/model/model.h"
 #include "engine/backends/sampler.h"
 #include "engine/core/beam_search.h"
@@ -27,115 +28,6 @@
 #include "engine/tokenizers/tokenizer.h"
 
 namespace relgen {
-
-enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled, kDeadline, kError };
-absl::string_view FinishReasonName(FinishReason r);  // "length", "stop", ...
-
-struct StopCriteria {
-  int max_new_tokens = 128;  // (SamplingParams::min_tokens: the fewest, before EOS, stop ids and strings)
-  std::vector<int32_t> stop_token_ids;  // finish after one of these (it is part of the output ids)
-  std::vector<std::string> stop_strings;  // finish before one of these would appear in the text
-  bool ignore_eos = false;
-};
-
-inline constexpr int kMaxSamples = 16;
-inline constexpr int kMaxContinuations = 64;
-inline constexpr int kMaxPromptLogprobs = 20;
-
-struct Request {
-  std::string id;
-  std::vector<int32_t> prompt;
-  SamplingParams sampling;
-  StopCriteria stop;
-  absl::Time deadline = absl::InfiniteFuture();
-  // Samples of the prompt (1..kMaxSamples), one handle each. Sample i draws with seed + i (mod
-  // 2^64), so it equals a request of its own with that seed; every sample after the first starts
-  // once the first has computed the prompt, sharing its full KV blocks.
-  int n = 1;
-  // Log-probabilities of the prompt's tokens from the second on (the first has no context): -1
-  // none; k (0..kMaxPromptLogprobs) with the k most likely alternatives. Sample 0 delivers them,
-  // before its first token. Decoder models only. Such a request computes its whole prompt (no
-  // prefix-cache hit: a cached block has no logits).
-  int prompt_logprobs = -1;
-  // Scoring instead of generating (1..kMaxContinuations of them, each non-empty): one handle per
-  // continuation, whose Output.logprobs holds each continuation token's log-probability after the
-  // prompt and the continuation's tokens before it (with sampling.logprobs alternatives);
-  // nothing is sampled; finish_reason kLength, generated_tokens 0. The continuations share the
-  // prompt's full KV blocks. An encoder-decoder model scores each as its decoder's output for the
-  // prompt as input (after decoder_start_token_id). `n`, `stop` and sampling other than logprobs
-  // do not apply.
-  std::vector<std::vector<int32_t>> continuations;
-  // Keep only the prompt's last N tokens (an encoder-decoder model: the input's); 0: off.
-  int truncate_prompt_tokens = 0;
-  // false: special tokens' text is part of the output text (transformers' skip_special_tokens).
-  bool skip_special_tokens = true;
-  // Beam search (num_beams 2..kMaxBeams; engine/core/beam_search.h): one handle per returned
-  // sequence (num_return_sequences <= num_beams), the best first, each delivered whole when the
-  // search ends (nothing streams before) with Output.beam_score. The beams share the prompt's KV
-  // blocks; a beam that forks takes its parent's full blocks and recomputes the partial last one.
-  // The group is one request (max_waiting, metrics); cancelling any handle or the deadline ends
-  // it. Of the sampling parameters only the controls that ban or bias tokens apply
-  // (no_repeat_ngram_size, min_tokens, bad_words, allowed_token_ids, logit_bias); temperature,
-  // top_k, top_p, min_p and the seed are ignored, as transformers' beam search without sampling does.
-  int num_beams = 1;
-  float length_penalty = 1.0f;
-  EarlyStopping early_stopping = EarlyStopping::kFalse;
-  int num_return_sequences = 1;
-};
-
-struct RequestTiming {
-  absl::Duration queue;              // submit -> first scheduled
-  absl::Duration time_to_first_token;
-  absl::Duration total;
-};
-
-// Output of a request since the previous read (chunks merge while unread, so memory is bounded
-// by the request's own output). The last one has `finished` set.
-struct Output {
-  std::vector<int32_t> token_ids;
-  std::string text;
-  std::vector<SampleResult> logprobs;  // one per token when the request asked for logprobs (Score: always)
-  std::vector<SampleResult> prompt_logprobs;  // prompt tokens 1.. when asked (token = the prompt's)
-  bool finished = false;
-  FinishReason finish_reason = FinishReason::kNone;
-  absl::Status status;  // why, for kError
-  int prompt_tokens = 0;
-  int generated_tokens = 0;
-  RequestTiming timing;
-  double beam_score = 0;  // beam search: the sequence's score (its log-probability / length^length_penalty)
-};
-
-class RequestHandle {
- public:
-  const std::string& id() const { return id_; }
-  // Waits up to `timeout` for output. False on timeout and once the final output was read.
-  bool Next(Output* out, absl::Duration timeout = absl::InfiniteDuration());
-  // Stops the request: nothing more is delivered but the final output (`reason`: kCancelled, or
-  // kDeadline when the caller's deadline passed); the engine frees its KV blocks at its next step.
-  // Idempotent; a finished request stays as it finished.
-  void Cancel(FinishReason reason = FinishReason::kCancelled);
-  // Called (from the engine thread, without locks held) whenever output becomes readable.
-  void SetListener(std::function<void()> listener);
-
- private:
-  friend class Engine;
-  void Deliver(Output&& delta);  // merges; ignored after the final output
-  bool cancel_requested() const { return cancel_.load(std::memory_order_acquire); }
-  FinishReason cancel_reason() const { return cancel_reason_.load(std::memory_order_acquire); }
-
-  std::string id_;
-  std::atomic<bool> cancel_{false};
-  std::atomic<FinishReason> cancel_reason_{FinishReason::kCancelled};
-  // std::mutex rather than absl::Mutex: TSan sees only the former in Debian's uninstrumented Abseil.
-  // Guards the members below.
-  std::mutex mu_;
-  std::condition_variable readable_cv_;
-  Output pending_;
-  bool has_pending_ = false;
-  bool closed_ = false;    // final output delivered to the handle
-  bool drained_ = false;   // final output read
-  std::function<void()> listener_;
-};
 
 // What happened to a request, for metrics. Every submitted request finishes exactly once.
 struct RequestSummary {
@@ -274,7 +166,10 @@ class Engine {
   // land the step in flight, if any (with overlap, the one launched by the previous iteration).
   void Step(bool plan);
   void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus());
+  // A drawn token through the sequence's TextStream to its handle; finishes it where the text ends.
   void EmitToken(Seq& s, const SampleResult& r);
+  // Moves the prompt's log-probabilities into `o` once (sample 0, before or with its first token).
+  void TakePromptLogprobs(Seq& s, Output* o);
   // The controls banned every token: the text held back is delivered and the sequence ends (stop).
   void EndBanned(Seq& s);
   // Beam search: a beam's candidates for the group's step; once every live beam's are in, the
@@ -303,14 +198,23 @@ class Engine {
   // it holds a placeholder token there (fed to the backend from that step's answer), and its
   // K/V count as computed. Landing the step puts the drawn tokens in place and delivers them.
   struct StepBatch;
+  // Reap: cancelled and expired requests leave before the plan, so their blocks are free for it
+  // and nothing is computed for a request nobody will read.
   void Reap(absl::Time now);
   // false, with nothing changed, when the plan would preempt while a step is in flight.
   bool Plan(absl::Time now, StepBatch* b);
+  // The plan made so: preemptions, admissions, prefix-cache hits taken, blocks allocated.
+  void Enact(absl::Time now, StepBatch* b);
   void BuildInputs(StepBatch* b);
   absl::Status Launch(StepBatch* b);  // non-OK: the step failed (failure_ set when the device broke)
-  // Collect, tokens in place, Commit, Account; returns the time blocked in Collect.
+  // Land: a launched step's answers come back (Collect), its draws replace their placeholders, then
+  // Commit and Account. Apart from Launch so that, overlapped, the next step runs on the device
+  // while this one's text is made. Returns the time blocked in Collect.
   absl::Duration Land(StepBatch& b);
   absl::Status Failed(const absl::Status& st);  // a failed launch or collect, to the books
+  // Commit: a step's answers become its sequences' state (prompt log-probabilities, scores, tokens
+  // delivered, followers started), or its failure ends them. Apart from Land because a step that
+  // failed to launch has nothing to collect and must end its sequences the same way.
   void Commit(StepBatch& b, const absl::Status& st);
   void AccountPlan(const StepBatch& planned);  // preemptions, prefix-cache lookups
   void Account(const StepBatch* landed);       // a landed step's counts (if any), the gauges
@@ -323,6 +227,8 @@ class Engine {
   EngineConfig config_;
 
   mutable std::mutex mu_;  // guards inbox_, stop_, failure_, queued_, stats_
+  // "The books" are queued_ and stats_: what Stats(), admission and the metrics read. They are
+  // brought up to date before any output goes out, so a client never sees output its books lack.
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Seq>> inbox_;
   bool stop_ = false;
