@@ -435,6 +435,7 @@ int Main(int argc, char** argv) {
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;
   ec.scheduler.max_encoder_tokens = o.max_encoder_tokens;
   ec.max_waiting = o.max_waiting;
+  ec.limits.max_new_tokens = o.max_new_tokens;
   ec.prefix_caching = o.enable_prefix_caching;
   ec.overlap_steps = o.overlap_steps;
   ec.observer = metrics;

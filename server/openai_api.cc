@@ -3,6 +3,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 
@@ -76,25 +77,24 @@ void Reply(httplib::Response& res, int status, const json& body) {
 
 void ReplyError(httplib::Response& res, const ApiError& e) { Reply(res, HttpStatus(e), ErrorBody(e)); }
 
-// The gRPC request's field names in the service's messages ("field: what") as the API names them.
+// A request field's name in relgen.v1 as this API names it, where the two differ.
 std::string ApiField(const std::string& field) {
   if (field == "max_new_tokens") return "max_tokens";
   if (field == "text" || field == "token_ids") return "prompt";
-  if (field == "prompt_logprobs") return "echo";
+  if (field == "prompt_logprobs") return "echo";  // set by echo with logprobs
+  if (field == "num_return_sequences") return "n";  // n, with num_beams
   return field;
 }
 
-ApiError FromStatus(const grpc::Status& s) {
-  ApiError e;
-  e.code = s.error_code();
-  e.message = s.error_message();
-  if (e.code == grpc::StatusCode::INVALID_ARGUMENT) {
-    const size_t colon = e.message.find(": ");
-    if (colon != std::string::npos && e.message.find(' ') > colon) {
-      e.param = ApiField(e.message.substr(0, colon));
-      e.message = e.param + e.message.substr(colon);
-    }
-  }
+// An answered call's status (auth, the engine's end of a request): no field at fault.
+ApiError FromStatus(const grpc::Status& s) { return ApiError{s.error_code(), s.error_message(), "", ""}; }
+
+// A refusal from the checks (engine/core/request_checks.h): its message as gRPC's, the field
+// (its payload) as `param`.
+ApiError FromStatus(const absl::Status& s) {
+  ApiError e = FromStatus(ToGrpcStatus(s));
+  const std::string field = ErrorField(s);
+  if (!field.empty()) e.param = ApiField(field);
   return e;
 }
 
@@ -139,10 +139,12 @@ struct Completion {
   int logprobs = -1;  // -1: none
 };
 
-std::optional<ApiError> GetInt(const json& v, const std::string& name, int64_t lo, int64_t hi, int64_t* out) {
-  if (!v.is_number_integer()) return Invalid(name, "expected an integer");
-  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi) : (v.get<int64_t>() < lo || v.get<int64_t>() > hi)) {
-    return Invalid(name, absl::StrCat(v.dump(), "; allowed ", lo, "..", hi));
+// An integer the engine's int32 field can hold; the engine checks its value.
+std::optional<ApiError> GetInt(const json& v, const std::string& name, int64_t* out) {
+  constexpr int64_t kLo = std::numeric_limits<int32_t>::min(), kHi = std::numeric_limits<int32_t>::max();
+  if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(kHi)
+                                                         : v.get<int64_t>() < kLo || v.get<int64_t>() > kHi)) {
+    return Invalid(name, "expected a 32-bit integer");
   }
   *out = v.get<int64_t>();
   return std::nullopt;
@@ -161,9 +163,10 @@ std::optional<ApiError> GetBool(const json& v, const std::string& name, bool* ou
 }
 
 std::optional<ApiError> GetIds(const json& v, const std::string& name, std::vector<int32_t>* out) {
+  if (!v.is_array()) return Invalid(name, "expected an array of token ids");
   for (size_t i = 0; i < v.size(); ++i) {
     int64_t id = 0;
-    if (auto e = GetInt(v[i], absl::StrCat(name, "[", i, "]"), 0, std::numeric_limits<int32_t>::max(), &id)) {
+    if (auto e = GetInt(v[i], absl::StrCat(name, "[", i, "]"), &id)) {
       e->param = name;
       return e;
     }
@@ -200,152 +203,194 @@ std::optional<ApiError> ParsePrompt(const json& v, std::vector<Prompt>* out) {
   return std::nullopt;
 }
 
-// The request's JSON into a Completion. Every field is either used or refused by name.
+// What the JSON parser found, beyond the GenerateRequest it fills.
+struct Parsed {
+  bool has_prompt = false;
+  bool has_stream_options = false;
+  std::optional<int64_t> best_of;
+};
+
+// A float field of the GenerateRequest.
+using FloatSetter = void (v1::GenerateRequest::*)(float);
+// An int32 one.
+using IntSetter = void (v1::GenerateRequest::*)(int32_t);
+
+const std::map<std::string, FloatSetter>& FloatFields() {
+  static const auto* fields = new std::map<std::string, FloatSetter>{
+      {"temperature", &v1::GenerateRequest::set_temperature},
+      {"top_p", &v1::GenerateRequest::set_top_p},
+      {"repetition_penalty", &v1::GenerateRequest::set_repetition_penalty},
+      {"presence_penalty", &v1::GenerateRequest::set_presence_penalty},
+      {"frequency_penalty", &v1::GenerateRequest::set_frequency_penalty},
+      {"min_p", &v1::GenerateRequest::set_min_p},
+      {"length_penalty", &v1::GenerateRequest::set_length_penalty},
+  };
+  return *fields;
+}
+
+const std::map<std::string, IntSetter>& IntFields() {
+  static const auto* fields = new std::map<std::string, IntSetter>{
+      {"max_tokens", &v1::GenerateRequest::set_max_new_tokens},
+      {"n", &v1::GenerateRequest::set_n},
+      {"min_tokens", &v1::GenerateRequest::set_min_tokens},
+      {"no_repeat_ngram_size", &v1::GenerateRequest::set_no_repeat_ngram_size},  // transformers' (relgen's extra)
+      // transformers' beam search (relgen's extra); n: the sequences returned
+      {"num_beams", &v1::GenerateRequest::set_num_beams},
+      {"truncate_prompt_tokens", &v1::GenerateRequest::set_truncate_prompt_tokens},
+  };
+  return *fields;
+}
+
+std::optional<ApiError> ParseStop(const json& v, v1::GenerateRequest* r) {
+  if (v.is_string()) {
+    r->add_stop(v.get<std::string>());
+    return std::nullopt;
+  }
+  if (!v.is_array()) return Invalid("stop", "expected a string or an array of strings");
+  for (const json& s : v) {
+    if (!s.is_string()) return Invalid("stop", "expected a string or an array of strings");
+    r->add_stop(s.get<std::string>());
+  }
+  return std::nullopt;
+}
+
+// OpenAI's logit_bias: token ids as strings.
+std::optional<ApiError> ParseLogitBias(const json& v, v1::GenerateRequest* r) {
+  const std::string key = "logit_bias";
+  if (!v.is_object()) return Invalid(key, "expected an object of token id (a string) to bias");
+  for (const auto& [id, bias] : v.items()) {
+    int32_t t = -1;
+    if (!absl::SimpleAtoi(id, &t)) return Invalid(key, absl::StrCat("key '", id, "' is not a token id"));
+    if (!bias.is_number()) return Invalid(key, absl::StrCat("the bias of token ", id, " is not a number"));
+    (*r->mutable_logit_bias())[t] = bias.get<float>();
+  }
+  return std::nullopt;
+}
+
+// Token id sequences (vLLM's strings are not taken).
+std::optional<ApiError> ParseBadWords(const json& v, v1::GenerateRequest* r) {
+  if (!v.is_array()) return Invalid("bad_words", "expected an array of token id arrays");
+  for (size_t w = 0; w < v.size(); ++w) {
+    if (!v[w].is_array()) return Invalid("bad_words", absl::StrCat("bad_words[", w, "] is not an array of token ids"));
+    std::vector<int32_t> ids;
+    if (auto e = GetIds(v[w], "bad_words", &ids)) return e;
+    r->add_bad_words()->mutable_ids()->Assign(ids.begin(), ids.end());
+  }
+  return std::nullopt;
+}
+
+// The fields that fill the GenerateRequest; nullopt with *known false for any other.
+std::optional<ApiError> ParseEngineField(const std::string& key, const json& v, v1::GenerateRequest* r, bool* known) {
+  *known = true;
+  int64_t i = 0;
+  double d = 0;
+  if (auto f = FloatFields().find(key); f != FloatFields().end()) {
+    if (auto e = GetNumber(v, key, &d)) return e;
+    (r->*(f->second))(static_cast<float>(d));
+  } else if (auto f = IntFields().find(key); f != IntFields().end()) {
+    if (auto e = GetInt(v, key, &i)) return e;
+    (r->*(f->second))(static_cast<int32_t>(i));
+  } else if (key == "top_k") {  // vLLM's -1 is relgen's 0: off
+    if (auto e = GetInt(v, key, &i)) return e;
+    r->set_top_k(i == -1 ? 0 : static_cast<int32_t>(i));
+  } else if (key == "seed") {
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0)) {
+      return Invalid("seed", "expected an integer in 0..18446744073709551615");
+    }
+    r->set_seed(v.get<uint64_t>());
+  } else if (key == "stop") {
+    return ParseStop(v, r);
+  } else if (key == "stop_token_ids" || key == "allowed_token_ids") {
+    std::vector<int32_t> ids;
+    if (auto e = GetIds(v, key, &ids)) return e;
+    auto* field = key == "stop_token_ids" ? r->mutable_stop_token_ids() : r->mutable_allowed_token_ids();
+    field->Add(ids.begin(), ids.end());
+  } else if (key == "ignore_eos" || key == "skip_special_tokens") {
+    bool b = false;
+    if (auto e = GetBool(v, key, &b)) return e;
+    key == "ignore_eos" ? r->set_ignore_eos(b) : r->set_skip_special_tokens(b);
+  } else if (key == "logit_bias") {
+    return ParseLogitBias(v, r);
+  } else if (key == "bad_words") {
+    return ParseBadWords(v, r);
+  } else if (key == "early_stopping") {  // true, false or "never", as transformers'
+    if (v.is_boolean()) {
+      r->set_early_stopping(v.get<bool>() ? v1::EARLY_STOPPING_TRUE : v1::EARLY_STOPPING_FALSE);
+    } else if (v.is_string() && v.get<std::string>() == "never") {
+      r->set_early_stopping(v1::EARLY_STOPPING_NEVER);
+    } else {
+      return Invalid(key, "expected true, false or \"never\"");
+    }
+  } else {
+    *known = false;
+  }
+  return std::nullopt;
+}
+
+// The fields that shape the HTTP answer (and OpenAI's that relgen takes only as no-ops).
+std::optional<ApiError> ParseApiField(const std::string& key, const json& v, Completion* c, Parsed* parsed) {
+  int64_t i = 0;
+  if (key == "model") {
+    if (!v.is_string()) return Invalid("model", "expected the served model's name (GET /v1/models)");
+    c->model = v.get<std::string>();
+  } else if (key == "prompt") {
+    parsed->has_prompt = true;
+    return ParsePrompt(v, &c->prompts);
+  } else if (key == "best_of") {
+    if (auto e = GetInt(v, key, &i)) return e;
+    parsed->best_of = i;
+  } else if (key == "logprobs") {
+    if (auto e = GetInt(v, key, &i)) return Invalid(key, "expected the number of alternatives per token");
+    c->logprobs = static_cast<int>(i);
+    c->base.set_logprobs(c->logprobs);
+  } else if (key == "echo" || key == "stream") {
+    return GetBool(v, key, key == "echo" ? &c->echo : &c->stream);
+  } else if (key == "stream_options") {
+    if (!v.is_object()) return Invalid("stream_options", "expected an object");
+    parsed->has_stream_options = true;
+    for (const auto& [k2, v2] : v.items()) {
+      if (k2 != "include_usage") {
+        return Invalid("stream_options", absl::StrCat("unknown field '", k2, "'; allowed: include_usage"));
+      }
+      if (!v2.is_null()) {
+        if (auto e = GetBool(v2, "stream_options.include_usage", &c->include_usage)) return e;
+      }
+    }
+  } else if (key == "user") {
+    if (!v.is_string()) return Invalid("user", "expected a string");
+  } else if (key == "suffix") {
+    if (!v.is_string() || !v.get<std::string>().empty()) return Invalid(key, "not supported; allowed \"\" only");
+  } else {
+    return Invalid(key, absl::StrCat("unknown field '", key, "'; docs/operations.md lists the fields /v1/completions takes"));
+  }
+  return std::nullopt;
+}
+
+// The request's JSON into a Completion. Every field is either used or refused by name; their
+// values are the engine's to check.
 std::optional<ApiError> ParseCompletion(const json& body, Completion* c) {
   if (!body.is_object()) return Invalid("body", "expected a JSON object");
   v1::GenerateRequest& r = c->base;
   r.set_max_new_tokens(kDefaultMaxTokens);
-  bool has_prompt = false;
-  std::optional<int64_t> best_of;
-  bool has_stream_options = false;
+  Parsed parsed;
   for (const auto& [key, v] : body.items()) {
     if (v.is_null() && key != "model" && key != "prompt") continue;  // null: the default
-    int64_t i = 0;
-    double d = 0;
-    std::optional<ApiError> e;
-    if (key == "model") {
-      if (!v.is_string()) return Invalid("model", "expected the served model's name (GET /v1/models)");
-      c->model = v.get<std::string>();
-    } else if (key == "prompt") {
-      e = ParsePrompt(v, &c->prompts);
-      has_prompt = true;
-    } else if (key == "max_tokens") {
-      if (!(e = GetInt(v, key, 1, std::numeric_limits<int32_t>::max(), &i))) r.set_max_new_tokens(static_cast<int32_t>(i));
-    } else if (key == "temperature") {
-      if (!(e = GetNumber(v, key, &d))) r.set_temperature(static_cast<float>(d));
-    } else if (key == "top_p") {
-      if (!(e = GetNumber(v, key, &d))) r.set_top_p(static_cast<float>(d));
-    } else if (key == "repetition_penalty") {
-      if (!(e = GetNumber(v, key, &d))) r.set_repetition_penalty(static_cast<float>(d));
-    } else if (key == "top_k") {  // vLLM's -1 is relgen's 0: off
-      if (!(e = GetInt(v, key, -1, std::numeric_limits<int32_t>::max(), &i))) r.set_top_k(i < 0 ? 0 : static_cast<int32_t>(i));
-    } else if (key == "n") {
-      if (!(e = GetInt(v, key, 1, kMaxSamples, &i))) r.set_n(static_cast<int32_t>(i));
-    } else if (key == "best_of") {
-      if (!(e = GetInt(v, key, 1, kMaxSamples, &i))) best_of = i;
-    } else if (key == "seed") {
-      if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0)) {
-        return Invalid("seed", "expected an integer in 0..18446744073709551615");
-      }
-      r.set_seed(v.get<uint64_t>());
-    } else if (key == "logprobs") {
-      if (v.is_boolean()) return Invalid("logprobs", "expected the number of alternatives per token, 0..20");
-      if (!(e = GetInt(v, key, 0, kMaxLogprobs, &i))) {
-        c->logprobs = static_cast<int>(i);
-        r.set_logprobs(c->logprobs);
-      }
-    } else if (key == "stop") {
-      if (v.is_string()) {
-        r.add_stop(v.get<std::string>());
-      } else if (v.is_array()) {
-        for (const json& s : v) {
-          if (!s.is_string()) return Invalid("stop", "expected a string or an array of strings");
-          r.add_stop(s.get<std::string>());
-        }
-      } else {
-        return Invalid("stop", "expected a string or an array of strings");
-      }
-    } else if (key == "stop_token_ids") {
-      std::vector<int32_t> ids;
-      if (!v.is_array()) return Invalid("stop_token_ids", "expected an array of token ids");
-      if (!(e = GetIds(v, key, &ids))) {
-        for (int32_t t : ids) r.add_stop_token_ids(t);
-      }
-    } else if (key == "ignore_eos") {
-      bool b = false;
-      if (!(e = GetBool(v, key, &b))) r.set_ignore_eos(b);
-    } else if (key == "echo") {
-      e = GetBool(v, key, &c->echo);
-    } else if (key == "stream") {
-      e = GetBool(v, key, &c->stream);
-    } else if (key == "stream_options") {
-      if (!v.is_object()) return Invalid("stream_options", "expected an object");
-      has_stream_options = true;
-      for (const auto& [k2, v2] : v.items()) {
-        if (k2 != "include_usage") {
-          return Invalid("stream_options", absl::StrCat("unknown field '", k2, "'; allowed: include_usage"));
-        }
-        if (!v2.is_null() && (e = GetBool(v2, "stream_options.include_usage", &c->include_usage))) return e;
-      }
-    } else if (key == "user") {
-      if (!v.is_string()) return Invalid("user", "expected a string");
-    } else if (key == "presence_penalty") {
-      if (!(e = GetNumber(v, key, &d))) r.set_presence_penalty(static_cast<float>(d));
-    } else if (key == "frequency_penalty") {
-      if (!(e = GetNumber(v, key, &d))) r.set_frequency_penalty(static_cast<float>(d));
-    } else if (key == "min_p") {
-      if (!(e = GetNumber(v, key, &d))) r.set_min_p(static_cast<float>(d));
-    } else if (key == "logit_bias") {  // OpenAI's: token ids as strings
-      if (!v.is_object()) return Invalid(key, "expected an object of token id (a string) to bias");
-      for (const auto& [id, bias] : v.items()) {
-        int64_t t = -1;
-        if (!absl::SimpleAtoi(id, &t) || t < 0 || t > std::numeric_limits<int32_t>::max()) {
-          return Invalid(key, absl::StrCat("key '", id, "' is not a token id"));
-        }
-        if (!bias.is_number()) return Invalid(key, absl::StrCat("the bias of token ", id, " is not a number"));
-        (*r.mutable_logit_bias())[static_cast<int32_t>(t)] = bias.get<float>();
-      }
-    } else if (key == "allowed_token_ids") {
-      std::vector<int32_t> ids;
-      if (!v.is_array()) return Invalid(key, "expected an array of token ids");
-      if (!(e = GetIds(v, key, &ids))) {
-        for (int32_t t : ids) r.add_allowed_token_ids(t);
-      }
-    } else if (key == "bad_words") {  // token id sequences (vLLM's strings are not taken)
-      if (!v.is_array()) return Invalid(key, "expected an array of token id arrays");
-      for (size_t w = 0; w < v.size() && !e; ++w) {
-        if (!v[w].is_array()) return Invalid(key, absl::StrCat("bad_words[", w, "] is not an array of token ids"));
-        std::vector<int32_t> ids;
-        if (!(e = GetIds(v[w], key, &ids))) r.add_bad_words()->mutable_ids()->Assign(ids.begin(), ids.end());
-      }
-    } else if (key == "min_tokens") {
-      if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_min_tokens(static_cast<int32_t>(i));
-    } else if (key == "no_repeat_ngram_size") {  // transformers' (relgen's extra)
-      if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_no_repeat_ngram_size(static_cast<int32_t>(i));
-    } else if (key == "num_beams") {  // transformers' beam search (relgen's extra); n: the sequences returned
-      if (!(e = GetInt(v, key, 0, std::numeric_limits<int32_t>::max(), &i))) r.set_num_beams(static_cast<int32_t>(i));
-    } else if (key == "length_penalty") {
-      if (!(e = GetNumber(v, key, &d))) r.set_length_penalty(static_cast<float>(d));
-    } else if (key == "early_stopping") {  // true, false or "never", as transformers'
-      if (v.is_boolean()) {
-        r.set_early_stopping(v.get<bool>() ? v1::EARLY_STOPPING_TRUE : v1::EARLY_STOPPING_FALSE);
-      } else if (v.is_string() && v.get<std::string>() == "never") {
-        r.set_early_stopping(v1::EARLY_STOPPING_NEVER);
-      } else {
-        return Invalid(key, "expected true, false or \"never\"");
-      }
-    } else if (key == "skip_special_tokens") {
-      bool b = true;
-      if (!(e = GetBool(v, key, &b))) r.set_skip_special_tokens(b);
-    } else if (key == "truncate_prompt_tokens") {
-      if (!(e = GetInt(v, key, 1, std::numeric_limits<int32_t>::max(), &i))) r.set_truncate_prompt_tokens(static_cast<int32_t>(i));
-    } else if (key == "suffix") {
-      if (!v.is_string() || !v.get<std::string>().empty()) return Invalid(key, "not supported; allowed \"\" only");
-    } else {
-      return Invalid(key, absl::StrCat("unknown field '", key,
-                                       "'; docs/operations.md lists the fields /v1/completions takes"));
-    }
-    if (e) return e;
+    bool known = false;
+    if (auto e = ParseEngineField(key, v, &r, &known)) return e;
+    if (known) continue;
+    if (auto e = ParseApiField(key, v, c, &parsed)) return e;
   }
   if (c->model.empty()) return Invalid("model", "missing; give the served model's name (GET /v1/models)");
-  if (!has_prompt) return Invalid("prompt", "missing");
-  if (best_of && *best_of != (r.has_n() ? r.n() : 1)) return Invalid("best_of", "not supported; allowed equal to n only");
+  if (!parsed.has_prompt) return Invalid("prompt", "missing");
+  if (parsed.best_of && *parsed.best_of != (r.has_n() ? r.n() : 1)) {
+    return Invalid("best_of", "not supported; allowed equal to n only");
+  }
   if (r.has_num_beams() && r.num_beams() > 1 && r.has_n()) {
     // With beams, the choices are the best sequences of one search.
     r.set_num_return_sequences(r.n());
     r.clear_n();
   }
-  if (has_stream_options && !c->stream) return Invalid("stream_options", "only with stream: true");
+  if (parsed.has_stream_options && !c->stream) return Invalid("stream_options", "only with stream: true");
   if (c->echo && c->logprobs >= 0) r.set_prompt_logprobs(c->logprobs);
   return std::nullopt;
 }
@@ -587,6 +632,175 @@ void OpenAiApi::Models(const httplib::Request& req, httplib::Response& res) {
   Reply(res, 200, json{{"object", "list"}, {"data", json::array({std::move(model)})}});
 }
 
+namespace {
+
+// The body as a Completion for the served model.
+std::optional<ApiError> ReadCompletion(const httplib::Request& req, const ModelConfig& config, Completion* c) {
+  json body;
+  try {
+    body = json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    return Invalid("body", absl::StrCat("not JSON: ", e.what()));
+  }
+  if (auto e = ParseCompletion(body, c)) return e;
+  if (c->model != config.name) {
+    return ApiError{grpc::StatusCode::NOT_FOUND,
+                    absl::StrCat("model '", c->model, "' is not served here; this server serves '", config.name, "'"),
+                    "model", "model_not_found"};
+  }
+  return std::nullopt;
+}
+
+// One engine request per prompt, each checked before any is submitted, so a bad one in a batch
+// costs no work.
+std::optional<ApiError> ToRequests(const Completion& c, const Engine& engine, const Options& options,
+                                   std::vector<Request>* out) {
+  for (size_t i = 0; i < c.prompts.size(); ++i) {
+    v1::GenerateRequest r = c.base;
+    const Prompt& p = c.prompts[i];
+    if (p.is_text) {
+      r.set_text(p.text);
+    } else {
+      r.mutable_token_ids()->mutable_ids()->Add(p.ids.begin(), p.ids.end());
+    }
+    Request checked;
+    absl::Status s = ToEngineRequest(r, engine.model().config(), engine.tokenizer(), options, engine.config().limits,
+                                     &checked);
+    if (s.ok()) s = engine.Check(checked);
+    if (!s.ok()) {
+      ApiError e = FromStatus(s);
+      if (c.prompts.size() > 1) e.message = absl::StrCat("prompt[", i, "]: ", e.message);
+      return e;
+    }
+    out->push_back(std::move(checked));
+  }
+  return std::nullopt;
+}
+
+// Submits the call's requests (all or none) and lays out its choices.
+std::optional<ApiError> Submit(const Completion& c, std::vector<Request> requests, const grpc::Status& auth,
+                               const Tokenizer& tok, Call* call) {
+  const bool truncate = c.base.has_truncate_prompt_tokens();
+  call->prompts.resize(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    PromptState& p = call->prompts[i];
+    if (absl::Status s = call->service->SubmitFromHttp(std::move(requests[i]), auth, &p.admission); !s.ok()) {
+      return FromStatus(s);
+    }
+    if (c.echo) {
+      // The prompt as given; a truncated one (truncate_prompt_tokens) as kept.
+      p.echo_text = c.prompts[i].is_text && !truncate ? c.prompts[i].text : tok.Decode(p.admission.prompt);
+    }
+    for (size_t j = 0; j < p.admission.handles.size(); ++j) {
+      Choice ch;
+      ch.index = static_cast<int>(call->choices.size());
+      ch.prompt = static_cast<int>(i);
+      ch.sample = static_cast<int>(j);
+      ch.handle = p.admission.handles[j];
+      ch.logprobs = std::make_unique<Logprobs>(&tok);
+      call->choices.push_back(std::move(ch));
+    }
+  }
+  call->id = "cmpl-" + call->prompts[0].admission.request_id;
+  return std::nullopt;
+}
+
+void ReplyUnary(Call& call, httplib::Response& res) {
+  // Samples in order: sample 0 delivers its prompt's log-probabilities before the others need them.
+  for (Choice& ch : call.choices) {
+    Output o;
+    while (!ch.done && ch.handle->Next(&o)) {
+      if (grpc::Status s = call.Take(ch, o); !s.ok()) {
+        call.Book(s.error_code());
+        call.CancelAll();
+        return ReplyError(res, FromStatus(s));
+      }
+    }
+  }
+  json choices = json::array();
+  for (Choice& ch : call.choices) choices.push_back(call.ChoiceJson(ch));
+  json out = call.Envelope(std::move(choices));
+  out["usage"] = call.Usage();
+  Reply(res, 200, out);
+}
+
+// A stream's writer: each poll writes what its choices have delivered, in turns, and the end.
+class StreamWriter {
+ public:
+  StreamWriter(std::shared_ptr<Call> call, double timeout_s, Metrics* metrics)
+      : call_(std::move(call)), wakeup_(std::make_shared<Wakeup>()), timeout_s_(timeout_s), metrics_(metrics) {
+    for (Choice& ch : call_->choices) ch.handle->SetListener([w = wakeup_] { w->Notify(); });
+  }
+  // httplib's content provider: false ends the response unfinished.
+  bool Poll(httplib::DataSink& sink) {
+    bool any = false;
+    const size_t k = call_->choices.size();
+    for (size_t step = 0; step < k; ++step) {
+      Choice& ch = call_->choices[(next_ + step) % k];
+      if (ch.done || !call_->Ready(ch)) continue;
+      Output o;
+      if (!ch.handle->Next(&o, absl::ZeroDuration())) continue;
+      any = true;
+      next_ = ch.index + 1;  // the choice whose turn it is: a fast one cannot starve the others
+      if (grpc::Status s = call_->Take(ch, o); !s.ok()) {
+        call_->Book(s.error_code());
+        call_->CancelAll();
+        return Write(sink, "data: " + Dump(ErrorBody(FromStatus(s))) + "\n\ndata: [DONE]\n\n") && Finish(sink);
+      }
+      json chunk = call_->Envelope(json::array({call_->ChoiceJson(ch)}));
+      if (call_->include_usage) chunk["usage"] = nullptr;
+      if (!Write(sink, "data: " + Dump(chunk) + "\n\n")) return false;
+    }
+    bool all_done = true;
+    for (const Choice& ch : call_->choices) all_done &= ch.done;
+    if (all_done) {
+      std::string tail;
+      if (call_->include_usage) {
+        json usage = call_->Envelope(json::array());
+        usage["usage"] = call_->Usage();
+        tail = "data: " + Dump(usage) + "\n\n";
+      }
+      return Write(sink, tail + "data: [DONE]\n\n") && Finish(sink);
+    }
+    // Nothing readable: wait for the engine, a second at most, so the listener checks the
+    // connection and its own shutdown between waits.
+    if (!any) wakeup_->Wait(std::chrono::milliseconds(1000));
+    return true;
+  }
+  // The response is over, written or not: a call cut short (the client left, the listener
+  // stopped) is cancelled and booked; ~Call frees its requests.
+  void Release() {
+    if (!call_->done) {
+      call_->CancelAll();
+      call_->Book(grpc::StatusCode::CANCELLED);
+    }
+  }
+
+ private:
+  bool Write(httplib::DataSink& sink, const std::string& event) {
+    const auto start = std::chrono::steady_clock::now();
+    if (sink.write(event.data(), event.size())) return true;
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (timeout_s_ > 0 && waited >= 0.9 * timeout_s_) metrics_->OnStreamWriteTimeout();
+    call_->CancelAll();
+    call_->Book(grpc::StatusCode::CANCELLED);
+    return false;
+  }
+  bool Finish(httplib::DataSink& sink) {
+    call_->done = true;
+    sink.done();
+    return true;
+  }
+
+  std::shared_ptr<Call> call_;
+  std::shared_ptr<Wakeup> wakeup_;
+  double timeout_s_;
+  Metrics* metrics_;
+  size_t next_ = 0;
+};
+
+}  // namespace
+
 void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res) {
   metrics_->OnReceived(Api::kHttp);
   auto refuse = [&](const ApiError& e) {
@@ -597,159 +811,31 @@ void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res)
   if (!auth.ok()) return refuse(FromStatus(auth));
   Engine* engine = service_->engine();
   if (engine == nullptr) return refuse(ApiError{grpc::StatusCode::UNAVAILABLE, "the model is loading", "", ""});
-  json body;
-  try {
-    body = json::parse(req.body);
-  } catch (const json::parse_error& e) {
-    return refuse(Invalid("body", absl::StrCat("not JSON: ", e.what())));
-  }
   Completion c;
-  if (auto e = ParseCompletion(body, &c)) return refuse(*e);
-  const ModelConfig& config = engine->model().config();
-  if (c.model != config.name) {
-    return refuse(ApiError{grpc::StatusCode::NOT_FOUND,
-                           absl::StrCat("model '", c.model, "' is not served here; this server serves '", config.name, "'"),
-                           "model", "model_not_found"});
-  }
+  if (auto e = ReadCompletion(req, engine->model().config(), &c)) return refuse(*e);
   std::vector<Request> requests;
-  const bool truncate = c.base.has_truncate_prompt_tokens();
-  for (size_t i = 0; i < c.prompts.size(); ++i) {
-    v1::GenerateRequest r = c.base;
-    const Prompt& p = c.prompts[i];
-    if (p.is_text) {
-      r.set_text(p.text);
-    } else {
-      r.mutable_token_ids()->mutable_ids()->Add(p.ids.begin(), p.ids.end());
-    }
-    // Every prompt is checked before any is submitted, so a bad one in a batch costs no work.
-    Request checked;
-    if (grpc::Status s = ToEngineRequest(r, config, engine->tokenizer(), service_->options(), &checked); !s.ok()) {
-      ApiError e = FromStatus(s);
-      if (c.prompts.size() > 1) e.message = absl::StrCat("prompt[", i, "]: ", e.message);
-      return refuse(e);
-    }
-    requests.push_back(std::move(checked));
-  }
+  if (auto e = ToRequests(c, *engine, service_->options(), &requests)) return refuse(*e);
 
   auto call = std::make_shared<Call>();
   call->service = service_;
   call->metrics = metrics_;
   call->tok = &engine->tokenizer();
-  call->model = config.name;
+  call->model = c.model;
   call->created =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   call->echo = c.echo;
   call->logprobs = c.logprobs;
   call->include_usage = c.include_usage;
-  call->prompts.resize(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) {
-    PromptState& p = call->prompts[i];
-    if (grpc::Status s = service_->SubmitFromHttp(std::move(requests[i]), auth, &p.admission); !s.ok()) {
-      call.reset();  // cancels what was admitted
-      return refuse(FromStatus(s));
-    }
-    if (c.echo) {
-      // The prompt as given; a truncated one (truncate_prompt_tokens) as kept.
-      p.echo_text = c.prompts[i].is_text && !truncate ? c.prompts[i].text : engine->tokenizer().Decode(p.admission.prompt);
-    }
-    for (size_t j = 0; j < p.admission.handles.size(); ++j) {
-      Choice ch;
-      ch.index = static_cast<int>(call->choices.size());
-      ch.prompt = static_cast<int>(i);
-      ch.sample = static_cast<int>(j);
-      ch.handle = p.admission.handles[j];
-      ch.logprobs = std::make_unique<Logprobs>(&engine->tokenizer());
-      call->choices.push_back(std::move(ch));
-    }
+  if (auto e = Submit(c, std::move(requests), auth, engine->tokenizer(), call.get())) {
+    call.reset();  // cancels what was admitted
+    return refuse(*e);
   }
-  call->id = "cmpl-" + call->prompts[0].admission.request_id;
-
-  if (!c.stream) {
-    // Samples in order: sample 0 delivers its prompt's log-probabilities before the others need them.
-    for (Choice& ch : call->choices) {
-      Output o;
-      while (!ch.done && ch.handle->Next(&o)) {
-        if (grpc::Status s = call->Take(ch, o); !s.ok()) {
-          call->Book(s.error_code());
-          call->CancelAll();
-          return ReplyError(res, FromStatus(s));
-        }
-      }
-    }
-    json choices = json::array();
-    for (Choice& ch : call->choices) choices.push_back(call->ChoiceJson(ch));
-    json out = call->Envelope(std::move(choices));
-    out["usage"] = call->Usage();
-    return Reply(res, 200, out);
-  }
-
-  auto wakeup = std::make_shared<Wakeup>();
-  for (Choice& ch : call->choices) ch.handle->SetListener([wakeup] { wakeup->Notify(); });
-  const double timeout_s = service_->options().stream_write_timeout_seconds;
-  Metrics* metrics = metrics_;
-  size_t next = 0;  // the choice whose turn it is: a fast one cannot starve the others
+  if (!c.stream) return ReplyUnary(*call, res);
+  auto writer = std::make_shared<StreamWriter>(call, service_->options().stream_write_timeout_seconds, metrics_);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
-      "text/event-stream",
-      [call, wakeup, timeout_s, metrics, next](size_t, httplib::DataSink& sink) mutable {
-        auto write = [&](const std::string& event) {
-          const auto start = std::chrono::steady_clock::now();
-          if (sink.write(event.data(), event.size())) return true;
-          const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          if (timeout_s > 0 && waited >= 0.9 * timeout_s) metrics->OnStreamWriteTimeout();
-          call->CancelAll();
-          call->Book(grpc::StatusCode::CANCELLED);
-          return false;
-        };
-        auto finish = [&] {
-          call->done = true;
-          sink.done();
-          return true;
-        };
-        bool any = false;
-        const size_t k = call->choices.size();
-        for (size_t step = 0; step < k; ++step) {
-          Choice& ch = call->choices[(next + step) % k];
-          if (ch.done || !call->Ready(ch)) continue;
-          Output o;
-          if (!ch.handle->Next(&o, absl::ZeroDuration())) continue;
-          any = true;
-          next = ch.index + 1;
-          if (grpc::Status s = call->Take(ch, o); !s.ok()) {
-            call->Book(s.error_code());
-            call->CancelAll();
-            if (!write("data: " + Dump(ErrorBody(FromStatus(s))) + "\n\ndata: [DONE]\n\n")) return false;
-            return finish();
-          }
-          json chunk = call->Envelope(json::array({call->ChoiceJson(ch)}));
-          if (call->include_usage) chunk["usage"] = nullptr;
-          if (!write("data: " + Dump(chunk) + "\n\n")) return false;
-        }
-        bool all_done = true;
-        for (const Choice& ch : call->choices) all_done &= ch.done;
-        if (all_done) {
-          std::string tail;
-          if (call->include_usage) {
-            json usage = call->Envelope(json::array());
-            usage["usage"] = call->Usage();
-            tail = "data: " + Dump(usage) + "\n\n";
-          }
-          if (!write(tail + "data: [DONE]\n\n")) return false;
-          return finish();
-        }
-        // Nothing readable: wait for the engine, a second at most, so the listener checks the
-        // connection and its own shutdown between waits.
-        if (!any) wakeup->Wait(std::chrono::milliseconds(1000));
-        return true;
-      },
-      [call](bool) {
-        // The response is over, written or not: a call cut short (the client left, the listener
-        // stopped) is cancelled and booked; ~Call frees its requests.
-        if (!call->done) {
-          call->CancelAll();
-          call->Book(grpc::StatusCode::CANCELLED);
-        }
-      });
+      "text/event-stream", [writer](size_t, httplib::DataSink& sink) { return writer->Poll(sink); },
+      [writer](bool) { writer->Release(); });
 }
 
 }  // namespace relgen::server

@@ -25,6 +25,14 @@ grpc::StatusCode ToGrpc(absl::StatusCode c) {
   }
 }
 
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  return s.ok() ? grpc::Status::OK : grpc::Status(ToGrpc(s.code()), std::string(s.message()));
+}
+
+namespace {
+
 std::string NewRequestId() {
   static thread_local std::mt19937_64 rng(std::random_device{}());
   return absl::StrFormat("%016x", rng());
@@ -534,10 +542,13 @@ grpc::Status GenerationService::Submit(const Req& req, absl::Time deadline, cons
   Engine* engine = engine_.load();
   if (grpc::Status s = Open(engine, auth); !s.ok()) return s;
   Request r;
-  grpc::Status s = ToEngineRequest(req, engine->model().config(), engine->tokenizer(), options_, &r);
-  if (!s.ok()) return s;
-  out->continuations = r.continuations;
-  return SubmitChecked(engine, std::move(r), deadline, out);
+  absl::Status s = ToEngineRequest(req, engine->model().config(), engine->tokenizer(), options_,
+                                   engine->config().limits, &r);
+  if (s.ok()) {
+    out->continuations = r.continuations;
+    s = SubmitChecked(engine, std::move(r), deadline, out);
+  }
+  return ToGrpcStatus(s);
 }
 
 grpc::Status GenerationService::Open(Engine* engine, const grpc::Status& auth) const {
@@ -546,22 +557,26 @@ grpc::Status GenerationService::Open(Engine* engine, const grpc::Status& auth) c
   return auth;
 }
 
-grpc::Status GenerationService::SubmitChecked(Engine* engine, Request r, absl::Time deadline, Admission* out) {
+absl::Status GenerationService::SubmitChecked(Engine* engine, Request r, absl::Time deadline, Admission* out) {
   if (r.id.empty()) r.id = NewRequestId();
+  TruncatePrompt(&r);  // the prompt as the engine keeps it: its count, and HTTP's echo
   out->request_id = r.id;
   out->prompt_tokens = static_cast<int>(r.prompt.size());
   r.deadline = deadline;
   auto h = engine->SubmitGroup(std::move(r));
-  if (!h.ok()) return grpc::Status(ToGrpc(h.status().code()), std::string(h.status().message()));
-  if (h->empty()) return grpc::Status(grpc::StatusCode::INTERNAL, "the engine returned no request handle");
+  if (!h.ok()) return h.status();
+  if (h->empty()) return absl::InternalError("the engine returned no request handle");
   out->handles = *std::move(h);
   in_flight_.fetch_add(1);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status GenerationService::SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out) {
+absl::Status GenerationService::SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out) {
   Engine* engine = engine_.load();
-  if (grpc::Status s = Open(engine, auth); !s.ok()) return s;
+  if (grpc::Status s = Open(engine, auth); !s.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+  TruncatePrompt(&checked);
   out->prompt = checked.prompt;
   return SubmitChecked(engine, std::move(checked), absl::InfiniteFuture(), out);
 }

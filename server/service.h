@@ -61,7 +61,7 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   // gRPC call's is, `auth` being the caller's verdict on the credentials; the same loading,
   // draining and auth checks. Books nothing: the caller books its call, which may submit several
   // prompts. Each admission is one call in flight until CallDone.
-  grpc::Status SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out);
+  absl::Status SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out);
   void CallDone() { in_flight_.fetch_sub(1); }
   Engine* engine() const { return engine_.load(); }
   const Options& options() const { return options_; }
@@ -92,7 +92,7 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   // OK when a request may be submitted now: the model loaded, not draining, `auth` OK.
   grpc::Status Open(Engine* engine, const grpc::Status& auth) const;
   // Submits a validated request to the engine; one call in flight when OK.
-  grpc::Status SubmitChecked(Engine* engine, Request r, absl::Time deadline, Admission* out);
+  absl::Status SubmitChecked(Engine* engine, Request r, absl::Time deadline, Admission* out);
 
   void WatchdogLoop();
   // Recursive: TryCancel may run the call's callbacks, Unwatch included, on the watchdog's thread.
@@ -105,6 +105,9 @@ class GenerationService final : public v1::GenerationService::CallbackService {
 
 // Steady-clock nanoseconds (never 0).
 int64_t SteadyNanos();
+
+// An engine or validation status as gRPC's (the message, which names the field, unchanged).
+grpc::Status ToGrpcStatus(const absl::Status& s);
 
 // The gRPC status a finished request ends with.
 grpc::Status FinalStatus(const Output& final_output);

@@ -1,26 +1,21 @@
-// Turns a GenerateRequest or a ScoreRequest into an engine Request, or an INVALID_ARGUMENT status
-// that names the field, what was wrong and what is allowed.
+// Turns a GenerateRequest or a ScoreRequest into an engine Request: the wire's presence and shape
+// (a prompt given, a text within --max_prompt_bytes, an enum the proto knows, an optional field
+// set to a value "unset" cannot mean) and its defaults. Every rule about the request's values is
+// the engine's (engine/core/request_checks.h), checked when it is submitted. A refusal here is a
+// FieldError too: INVALID_ARGUMENT "field: what; allowed ...", the field as its payload.
 #pragma once
 
-#include <grpcpp/support/status.h>
-
+#include "absl/status/status.h"
 #include "engine/core/engine.h"
 #include "relgen/v1/generation.pb.h"
 #include "server/options.h"
 
 namespace relgen::server {
 
-inline constexpr int kMaxStopStrings = 16;
-inline constexpr int kMaxStopStringBytes = 256;
-inline constexpr int kMaxStopTokenIds = 64;
-inline constexpr int kMaxLogprobs = 20;
-inline constexpr int kMaxRequestIdBytes = 128;
-static_assert(kMaxLogprobs == kMaxPromptLogprobs, "logprobs and prompt_logprobs share one documented range");
-
-grpc::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& config,
-                             const Tokenizer& tokenizer, const Options& options, Request* out);
+absl::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& config, const Tokenizer& tokenizer,
+                             const Options& options, const RequestLimits& limits, Request* out);
 // A scoring request: out->continuations set, sampling.logprobs = top_logprobs (default 0).
-grpc::Status ToEngineRequest(const v1::ScoreRequest& in, const ModelConfig& config, const Tokenizer& tokenizer,
-                             const Options& options, Request* out);
+absl::Status ToEngineRequest(const v1::ScoreRequest& in, const ModelConfig& config, const Tokenizer& tokenizer,
+                             const Options& options, const RequestLimits& limits, Request* out);
 
 }  // namespace relgen::server

@@ -741,16 +741,16 @@ TEST(EngineSubmitTest, RefusesWhatCanNeverRun) {
   Request big = Prompt(100, 40);
   // 100 + 40 > 128: max_new_tokens may be at most 128 - 100; a 128-token prompt leaves no room at all.
   EXPECT_EQ(engine->Submit(big).status().message(),
-            "prompt (100 tokens) + max_new_tokens (40) = 140 tokens can never fit the KV cache of 128 tokens; set "
+            "max_new_tokens: prompt (100 tokens) + max_new_tokens (40) = 140 tokens can never fit the KV cache of 128 tokens; set "
             "max_new_tokens to at most 28 or shorten the prompt, or start the server with a larger --kv_cache_tokens");
   EXPECT_EQ(engine->Submit(big).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(engine->Submit(Prompt(128, 1)).status().message(),
               HasSubstr("= 129 tokens can never fit the KV cache of 128 tokens; shorten the prompt to under 128 tokens"));
-  EXPECT_THAT(engine->Submit(Prompt(0, 4)).status().message(), HasSubstr("prompt is empty"));
+  EXPECT_THAT(engine->Submit(Prompt(0, 4)).status().message(), HasSubstr("prompt: empty; allowed 1 or more tokens"));
   Request bad = Prompt(4, 4);
   bad.prompt[2] = 259;
-  EXPECT_THAT(engine->Submit(bad).status().message(), HasSubstr("token id 259 out of range; allowed 0..258"));
-  EXPECT_THAT(engine->Submit(Prompt(500, 20)).status().message(), HasSubstr("allowed 1..12 (max_seq_len 512)"));
+  EXPECT_THAT(engine->Submit(bad).status().message(), HasSubstr("prompt: ids[2] = 259; allowed 0..258"));
+  EXPECT_THAT(engine->Submit(Prompt(500, 20)).status().message(), HasSubstr("max_new_tokens: 20 after a prompt of 500 tokens exceeds the model's context of 512 tokens; allowed 1..12"));
   EXPECT_TRUE(engine->Submit(Prompt(100, 28)).ok());
 }
 
@@ -1179,7 +1179,7 @@ TEST(BeamTest, RefusalsNameTheField) {
   refused(r, "repetition_penalty");
   r = BeamRequest(10, 8, 4, 1);
   r.stop.stop_strings = {"x"};
-  refused(r, "stop strings");
+  refused(r, "stop: not with num_beams > 1 (4)");
   r = BeamRequest(10, 8, 16, 1);
   r.stop.max_new_tokens = 200;  // 16 beams of 13 blocks each do not fit 64
   refused(r, "--kv_cache_tokens");

@@ -475,26 +475,26 @@ TEST(SamplesTest, InvalidGroupsNameTheField) {
   Request r;
   r.prompt = {1, 2, 3};
   r.n = 0;
-  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("n 0; allowed 1..16"));
+  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("n: 0 samples; allowed 1..16"));
   r.n = 17;
-  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("n 17; allowed 1..16"));
+  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("n: 17 samples; allowed 1..16"));
   r.n = 2;
   EXPECT_THAT(e->Submit(r).status().message(), HasSubstr("SubmitGroup"));
   r.n = 1;
   r.prompt_logprobs = 21;
-  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("prompt_logprobs 21; allowed 0..20"));
+  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("prompt_logprobs: 21; allowed 0..20"));
   r.prompt_logprobs = -1;
   r.continuations = {{4, 5}, {}};
-  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("continuation 1 is empty"));
+  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("continuations: continuations[1] is empty"));
   r.continuations = {std::vector<int32_t>(1022, 4)};
   EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("allowed at most 1021"));
   r.continuations = std::vector<std::vector<int32_t>>(65, {4});
   EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("65 continuations; allowed 1..64"));
   r.continuations = {{4, 999}};
-  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("token id 999 out of range"));
+  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("continuations: continuations[0]: ids[1] = 999; allowed 0.."));
   r.continuations = {{4}};
   r.n = 2;
-  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("neither n nor prompt_logprobs"));
+  EXPECT_THAT(e->SubmitGroup(r).status().message(), HasSubstr("n: 2; allowed 1 when scoring"));
 }
 
 // ---------------------------------------------------------------- against the reference

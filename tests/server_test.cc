@@ -252,9 +252,9 @@ TEST_F(ServerTest, InvalidInputsNameTheField) {
   const std::vector<BadCase> cases = {
       {"empty text", [](auto& r) { r.set_text(""); }, "text: the prompt is empty"},
       {"no prompt", [](auto& r) { r.clear_token_ids(); }, "prompt: missing"},
-      {"empty ids", [](auto& r) { r.mutable_token_ids()->clear_ids(); }, "token_ids: the prompt is empty"},
-      {"id >= vocab", [](auto& r) { r.mutable_token_ids()->add_ids(259); }, "token_ids: ids[3] = 259; allowed 0..258"},
-      {"negative id", [](auto& r) { r.mutable_token_ids()->set_ids(0, -1); }, "token_ids: ids[0] = -1"},
+      {"empty ids", [](auto& r) { r.mutable_token_ids()->clear_ids(); }, "prompt: empty; allowed 1 or more tokens"},
+      {"id >= vocab", [](auto& r) { r.mutable_token_ids()->add_ids(259); }, "prompt: ids[3] = 259; allowed 0..258"},
+      {"negative id", [](auto& r) { r.mutable_token_ids()->set_ids(0, -1); }, "prompt: ids[0] = -1"},
       {"max_new 0", [](auto& r) { r.set_max_new_tokens(0); }, "max_new_tokens: 0; allowed 1..300"},
       {"max_new over limit", [](auto& r) { r.set_max_new_tokens(301); }, "max_new_tokens: 301; allowed 1..300"},
       {"over context", [](auto& r) {
@@ -263,7 +263,7 @@ TEST_F(ServerTest, InvalidInputsNameTheField) {
        }, "max_new_tokens: 250 after a prompt of 303 tokens exceeds the model's context of 512 tokens; allowed 1..209"},
       {"prompt fills context", [](auto& r) {
          for (int i = 0; i < 600; ++i) r.mutable_token_ids()->add_ids(5);
-       }, "token_ids: the prompt is 603 tokens"},
+       }, "prompt: the prompt is 603 tokens"},
       {"temperature < 0", [](auto& r) { r.set_temperature(-0.5f); }, "temperature: -0.5; allowed 0..100"},
       {"top_p 0", [](auto& r) { r.set_top_p(0); }, "top_p: 0; allowed (0, 1]"},
       {"top_p > 1", [](auto& r) { r.set_top_p(1.5f); }, "top_p: 1.5; allowed (0, 1]"},
@@ -323,12 +323,12 @@ TEST_F(ServerTest, ScoreInvalidInputsNameTheField) {
   const std::vector<ScoreCase> cases = {
       {"no context", [](auto& r) { r.clear_token_ids(); }, "context: missing; set text or token_ids"},
       {"empty context text", [](auto& r) { r.set_text(""); }, "text: the context is empty"},
-      {"empty context ids", [](auto& r) { r.mutable_token_ids()->clear_ids(); }, "token_ids: the context is empty"},
+      {"empty context ids", [](auto& r) { r.mutable_token_ids()->clear_ids(); }, "context: empty; allowed 1 or more tokens"},
       {"context id >= vocab", [](auto& r) { r.mutable_token_ids()->set_ids(1, 259); },
-       "token_ids: ids[1] = 259; allowed 0..258"},
+       "context: ids[1] = 259; allowed 0..258"},
       {"context fills the model", [](auto& r) {
          for (int i = 0; i < 509; ++i) r.mutable_token_ids()->add_ids(7);
-       }, "token_ids: the context is 512 tokens; the model's context is 512 tokens, so at most 511 context tokens"},
+       }, "context: the context is 512 tokens; the model's context is 512 tokens, so at most 511 context tokens"},
       {"oversized context text", [](auto& r) { r.set_text(std::string(1001, 'a')); },
        "text: 1001 bytes; allowed at most 1000"},
       {"no continuations", [](auto& r) { r.clear_continuations(); }, "continuations: 0 continuations; allowed 1..64"},
@@ -341,7 +341,7 @@ TEST_F(ServerTest, ScoreInvalidInputsNameTheField) {
        "continuations: continuations[1] is empty"},
       {"continuation unset", [](auto& r) { r.add_continuations(); }, "continuations: continuations[1] is empty"},
       {"continuation id >= vocab", [](auto& r) { r.mutable_continuations(0)->mutable_token_ids()->add_ids(300); },
-       "continuations: continuations[0].token_ids: ids[2] = 300; allowed 0..258"},
+       "continuations: continuations[0]: ids[2] = 300; allowed 0..258"},
       {"oversized continuation text", [](auto& r) { r.add_continuations()->set_text(std::string(1001, 'b')); },
        "continuations: continuations[1] is 1001 bytes; allowed at most 1000"},
       {"context + continuation too long", [](auto& r) {

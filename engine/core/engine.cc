@@ -69,236 +69,26 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> Engine::Submit(Request r) {
   return std::move(group->front());
 }
 
-namespace {
-
-// The sampling controls' ranges; sorts the id sets and fills min_tokens_banned.
-absl::Status CheckControls(Request* r, int vocab, int32_t eos) {
-  SamplingParams& p = r->sampling;
-  auto id_ok = [&](int32_t t) { return t >= 0 && t < vocab; };
-  auto bad_id = [&](absl::string_view what, int32_t t) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": token id ", t, " out of range; allowed 0..", vocab - 1));
-  };
-  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("presence_penalty ", p.presence_penalty, "; allowed -2..2"));
-  }
-  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("frequency_penalty ", p.frequency_penalty, "; allowed -2..2"));
-  }
-  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("min_p ", p.min_p, "; allowed 0..1"));
-  }
-  if (p.min_tokens < 0 || p.min_tokens > r->stop.max_new_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("min_tokens ", p.min_tokens, "; allowed 0..max_new_tokens (", r->stop.max_new_tokens, ")"));
-  }
-  if (p.logit_bias.size() > kMaxLogitBias) {
-    return absl::InvalidArgumentError(absl::StrCat("logit_bias has ", p.logit_bias.size(), " entries; allowed at most ", kMaxLogitBias));
-  }
-  std::sort(p.logit_bias.begin(), p.logit_bias.end());
-  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
-    const auto [t, b] = p.logit_bias[i];
-    if (!id_ok(t)) return bad_id("logit_bias", t);
-    if (i > 0 && p.logit_bias[i - 1].first == t) {
-      return absl::InvalidArgumentError(absl::StrCat("logit_bias: token id ", t, " given twice"));
-    }
-    if (!(b >= -100.0f && b <= 100.0f)) {
-      return absl::InvalidArgumentError(absl::StrCat("logit_bias of token ", t, " is ", b, "; allowed -100..100"));
-    }
-  }
-  std::sort(p.allowed_token_ids.begin(), p.allowed_token_ids.end());
-  p.allowed_token_ids.erase(std::unique(p.allowed_token_ids.begin(), p.allowed_token_ids.end()), p.allowed_token_ids.end());
-  if (p.allowed_token_ids.size() > kMaxAllowedTokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("allowed_token_ids has ", p.allowed_token_ids.size(), " ids; allowed at most ", kMaxAllowedTokens));
-  }
-  for (int32_t t : p.allowed_token_ids) {
-    if (!id_ok(t)) return bad_id("allowed_token_ids", t);
-  }
-  if (p.bad_words.size() > kMaxBadWords) {
-    return absl::InvalidArgumentError(absl::StrCat("bad_words has ", p.bad_words.size(), " words; allowed at most ", kMaxBadWords));
-  }
-  size_t words = 0;
-  for (size_t i = 0; i < p.bad_words.size(); ++i) {
-    if (p.bad_words[i].empty()) return absl::InvalidArgumentError(absl::StrCat("bad_words: word ", i, " is empty"));
-    for (int32_t t : p.bad_words[i]) {
-      if (!id_ok(t)) return bad_id(absl::StrCat("bad_words: word ", i), t);
-    }
-    words += p.bad_words[i].size();
-  }
-  if (words > kMaxBadWordTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("bad_words hold ", words, " tokens; allowed at most ", kMaxBadWordTokens));
-  }
-  if (p.no_repeat_ngram_size < 0 || p.no_repeat_ngram_size > kMaxNoRepeatNgram) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("no_repeat_ngram_size ", p.no_repeat_ngram_size, "; allowed 0..", kMaxNoRepeatNgram, " (0 = off)"));
-  }
-  p.min_tokens_banned.clear();
-  if (p.min_tokens > 0) {
-    p.min_tokens_banned = r->stop.stop_token_ids;
-    if (!r->stop.ignore_eos && eos >= 0) p.min_tokens_banned.push_back(eos);
-    std::sort(p.min_tokens_banned.begin(), p.min_tokens_banned.end());
-    p.min_tokens_banned.erase(std::unique(p.min_tokens_banned.begin(), p.min_tokens_banned.end()), p.min_tokens_banned.end());
-    if (p.min_tokens_banned.size() > kMaxMinTokensBanned) {
-      return absl::InvalidArgumentError(absl::StrCat("min_tokens with ", r->stop.stop_token_ids.size(),
-                                                     " stop token ids; allowed at most ", kMaxMinTokensBanned - 1));
-    }
-  }
-  return absl::OkStatus();
+absl::Status Engine::Check(const Request& r) const {
+  return CheckRequest(r, model_->config(), config_.limits, KvCapacity{allocator_.num_blocks(), config_.scheduler.block_size});
 }
 
-}  // namespace
-
 absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(Request r) {
+  if (absl::Status st = Check(r); !st.ok()) return st;
+  TruncatePrompt(&r);
+  PrepareControls(&r, model_->config().eos_token_id);
+  const int members = r.continuations.empty() ? r.n : static_cast<int>(r.continuations.size());
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  if (absl::Status st = Enqueue(MakeGroup(std::move(r), &handles), members); !st.ok()) return st;
+  return handles;
+}
+
+std::unique_ptr<Engine::Seq> Engine::MakeGroup(Request r, std::vector<std::shared_ptr<RequestHandle>>* out) {
   const ModelConfig& c = model_->config();
-  if (r.truncate_prompt_tokens < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("truncate_prompt_tokens ", r.truncate_prompt_tokens, "; allowed 0 (off) or 1..", c.max_seq_len));
-  }
-  if (r.truncate_prompt_tokens > 0 && static_cast<int>(r.prompt.size()) > r.truncate_prompt_tokens) {
-    r.prompt.erase(r.prompt.begin(), r.prompt.end() - r.truncate_prompt_tokens);
-  }
+  const int bs = config_.scheduler.block_size;
   const int n = static_cast<int>(r.prompt.size());
   const bool scoring = !r.continuations.empty();
-  if (n == 0) return absl::InvalidArgumentError("prompt is empty");
-  for (int32_t t : r.prompt) {
-    if (t < 0 || t >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
-    }
-  }
-  for (int32_t t : r.stop.stop_token_ids) {
-    if (t < 0 || t >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("stop token id ", t, " out of range; allowed 0..", c.vocab_size - 1));
-    }
-  }
-  if (r.n < 1 || r.n > kMaxSamples) {
-    return absl::InvalidArgumentError(absl::StrCat("n ", r.n, "; allowed 1..", kMaxSamples));
-  }
-  if (r.prompt_logprobs < -1 || r.prompt_logprobs > kMaxPromptLogprobs) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt_logprobs ", r.prompt_logprobs, "; allowed 0..", kMaxPromptLogprobs, " (-1: none)"));
-  }
-  if (r.prompt_logprobs >= 0 && c.encoder_decoder) {
-    return absl::InvalidArgumentError(
-        "prompt_logprobs: not for an encoder-decoder model (the prompt is the encoder's input, which the model does "
-        "not predict); score the output with continuations instead");
-  }
-  const int bs = config_.scheduler.block_size;
-  if (scoring) {
-    if (r.n != 1 || r.prompt_logprobs >= 0) {
-      return absl::InvalidArgumentError("scoring takes neither n nor prompt_logprobs");
-    }
-    if (static_cast<int>(r.continuations.size()) > kMaxContinuations) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(r.continuations.size(), " continuations; allowed 1..", kMaxContinuations));
-    }
-    if (c.encoder_decoder && n > c.max_seq_len) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the input is ", n, " tokens; allowed 1..", c.max_seq_len, " (max_seq_len)"));
-    }
-    for (size_t i = 0; i < r.continuations.size(); ++i) {
-      const std::vector<int32_t>& cont = r.continuations[i];
-      if (cont.empty()) return absl::InvalidArgumentError(absl::StrCat("continuation ", i, " is empty"));
-      for (int32_t t : cont) {
-        if (t < 0 || t >= c.vocab_size) {
-          return absl::InvalidArgumentError(absl::StrCat("continuation ", i, ": token id ", t,
-                                                         " out of range; allowed 0..", c.vocab_size - 1));
-        }
-      }
-      // A decoder sees context + continuation; an encoder-decoder's decoder the start token + continuation.
-      const int len = static_cast<int>(cont.size()) + (c.encoder_decoder ? 1 : n);
-      if (len > c.max_seq_len) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "continuation ", i, " is ", cont.size(), " tokens", c.encoder_decoder ? "" : absl::StrCat(" after a context of ", n),
-            "; allowed at most ", c.max_seq_len - (c.encoder_decoder ? 1 : n), " (max_seq_len ", c.max_seq_len, ")"));
-      }
-      const int need = BlocksForTokens(len, bs) + (c.encoder_decoder ? BlocksForTokens(n, bs) : 0);
-      if (need > allocator_.num_blocks()) {
-        const int64_t pool = int64_t{allocator_.num_blocks()} * bs;
-        const int64_t room = c.encoder_decoder ? pool - int64_t{BlocksForTokens(n, bs)} * bs - 1 : pool - n;
-        return absl::InvalidArgumentError(absl::StrCat(
-            "continuation ", i, ": ", len, " tokens can never fit the KV cache of ", pool, " tokens; ",
-            room > 0 ? absl::StrCat("shorten continuation ", i, " to at most ", room, " tokens")
-                     : absl::StrCat("shorten the ", c.encoder_decoder ? "input" : "context", " to under ",
-                                    c.encoder_decoder ? pool / 2 : pool, " tokens"),
-            ", or start the server with a larger --kv_cache_tokens"));
-      }
-    }
-  } else {
-    if (c.encoder_decoder) {
-      // Input and output have a context each; the last output token is never fed back.
-      if (n > c.max_seq_len) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("the input is ", n, " tokens; allowed 1..", c.max_seq_len, " (max_seq_len)"));
-      }
-      if (r.stop.max_new_tokens < 1 || r.stop.max_new_tokens > c.max_seq_len) {
-        return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, "; allowed 1..",
-                                                       c.max_seq_len, " (max_seq_len)"));
-      }
-    } else if (r.stop.max_new_tokens < 1 || n + r.stop.max_new_tokens > c.max_seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", r.stop.max_new_tokens, " with a prompt of ", n,
-                                                     " tokens; allowed 1..", std::max(0, c.max_seq_len - n),
-                                                     " (max_seq_len ", c.max_seq_len, ")"));
-    }
-    const int need = c.encoder_decoder ? BlocksForTokens(n, bs) + BlocksForTokens(r.stop.max_new_tokens, bs)
-                                       : BlocksForTokens(n + r.stop.max_new_tokens, bs);
-    if (need > allocator_.num_blocks()) {
-      // What max_new_tokens could be with this prompt, or, if none, how short the prompt must be.
-      const int64_t pool = int64_t{allocator_.num_blocks()} * bs;
-      const int64_t room = c.encoder_decoder ? pool - int64_t{BlocksForTokens(n, bs)} * bs : pool - n;
-      const char* const prompt = c.encoder_decoder ? "input" : "prompt";
-      return absl::InvalidArgumentError(absl::StrCat(
-          prompt, " (", n, " tokens) + max_new_tokens (", r.stop.max_new_tokens, ") = ", n + r.stop.max_new_tokens,
-          " tokens can never fit the KV cache of ", pool, " tokens; ",
-          room >= 1 ? absl::StrCat("set max_new_tokens to at most ", room, " or shorten the ", prompt)
-                    : absl::StrCat("shorten the ", prompt, " to under ", c.encoder_decoder ? pool - bs : pool,
-                                   " tokens"),
-          ", or start the server with a larger --kv_cache_tokens"));
-    }
-  }
-  const SamplingParams& p = r.sampling;
-  if (!(p.temperature >= 0.0f) || !(p.top_p > 0.0f && p.top_p <= 1.0f) || p.top_k < 0 ||
-      !(p.repetition_penalty > 0.0f)) {
-    return absl::InvalidArgumentError("sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0)");
-  }
-  if (absl::Status st = CheckControls(&r, c.vocab_size, c.eos_token_id); !st.ok()) return st;
-  if (r.num_beams < 1 || r.num_beams > kMaxBeams) {
-    return absl::InvalidArgumentError(absl::StrCat("num_beams ", r.num_beams, "; allowed 1..", kMaxBeams));
-  }
-  if (r.num_return_sequences < 1 || r.num_return_sequences > r.num_beams) {
-    return absl::InvalidArgumentError(absl::StrCat("num_return_sequences ", r.num_return_sequences,
-                                                   "; allowed 1..num_beams (", r.num_beams, ")"));
-  }
-  if (r.num_beams > 1) {
-    if (scoring || r.n != 1 || r.prompt_logprobs >= 0 || p.logprobs >= 0) {
-      return absl::InvalidArgumentError(
-          "num_beams > 1 takes no continuations, n, logprobs or prompt_logprobs (num_return_sequences returns "
-          "several sequences)");
-    }
-    if (!r.stop.stop_strings.empty() || !r.stop.stop_token_ids.empty()) {
-      return absl::InvalidArgumentError(
-          "stop strings and stop token ids: not with num_beams > 1 (a beam ends at the end-of-sequence token or "
-          "max_new_tokens)");
-    }
-    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
-      return absl::InvalidArgumentError(
-          "repetition_penalty, presence_penalty and frequency_penalty: not with num_beams > 1 (the controls that "
-          "ban or bias tokens apply: no_repeat_ngram_size, min_tokens, bad_words, allowed_token_ids, logit_bias)");
-    }
-    if (!std::isfinite(r.length_penalty) || std::fabs(r.length_penalty) > 100.0f) {
-      return absl::InvalidArgumentError(absl::StrCat("length_penalty ", r.length_penalty, "; allowed -100..100"));
-    }
-    // Every beam may hold its own copy of the prompt's last block and max_new_tokens of output.
-    const int k = r.num_beams, m = r.stop.max_new_tokens;
-    const int need = BlocksForTokens(n, bs) + k * (BlocksForTokens(m, bs) + 1);
-    if (need > allocator_.num_blocks()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "num_beams ", k, " with ", c.encoder_decoder ? "an input" : "a prompt", " of ", n, " tokens and max_new_tokens ",
-          m, " may need ", int64_t{need} * bs, " tokens of KV cache; the cache holds ",
-          int64_t{allocator_.num_blocks()} * bs, ": lower num_beams or max_new_tokens, or start the server with a larger "
-          "--kv_cache_tokens"));
-    }
-  }
-
+  std::vector<std::shared_ptr<RequestHandle>>& handles = *out;
   // The group: one sequence per sample or continuation; the first leads, the rest follow it. A beam
   // search starts as one sequence (its prompt) and forks as it goes.
   const int members = scoring ? static_cast<int>(r.continuations.size()) : r.n;
@@ -306,7 +96,6 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
   r.continuations.clear();
   const absl::Time now = absl::Now();
   std::vector<std::unique_ptr<Seq>> group;
-  std::vector<std::shared_ptr<RequestHandle>> handles;
   for (int i = 0; i < members; ++i) {
     auto s = std::make_unique<Seq>();
     s->handle = std::make_shared<RequestHandle>();
@@ -356,8 +145,10 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
   const int follower_logits_from = scoring ? leader.score_from - 1 : static_cast<int>(leader.tokens.size()) - 1;
   leader.fork_tokens = follower_logits_from / bs * bs;
   for (int i = 1; i < members; ++i) leader.followers.push_back(std::move(group[i]));
-  std::unique_ptr<Seq> s = std::move(group.front());
+  return std::move(group.front());
+}
 
+absl::Status Engine::Enqueue(std::unique_ptr<Seq> s, int members) {
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_) return absl::UnavailableError("the engine is shut down");
   if (!failure_.ok()) return failure_;
@@ -372,7 +163,7 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(
   stats_.num_waiting = queued_;
   inbox_.push_back(std::move(s));
   cv_.notify_all();
-  return handles;
+  return absl::OkStatus();
 }
 
 absl::Status Engine::Failure() const {

@@ -21,6 +21,7 @@
 #include "engine/backends/backend.h"
 #include "engine/core/kv_cache.h"
 #include "engine/core/request.h"
+#include "engine/core/request_checks.h"
 #include "engine/model/model.h"
 #include "engine/backends/sampler.h"
 #include "engine/core/beam_search.h"
@@ -75,6 +76,7 @@ class EngineObserver {
 struct EngineConfig {
   SchedulerConfig scheduler;
   int max_waiting = 1024;  // Submit fails with RESOURCE_EXHAUSTED beyond this (samples count each)
+  RequestLimits limits;    // what SubmitGroup accepts (engine/core/request_checks.h)
   // Reuse the KV blocks of prompt prefixes computed before (bitwise the same outputs either way).
   bool prefix_caching = true;
   // false (tests): a forked beam shares nothing with its parent and recomputes its whole sequence.
@@ -132,6 +134,9 @@ class Engine {
   // Any request: one handle per sample, or per continuation when scoring. Each handle is
   // independent (Cancel one, the others go on).
   absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> SubmitGroup(Request request);
+  // OK when SubmitGroup would take `request` (queue and shutdown aside); else INVALID_ARGUMENT
+  // naming the field (engine/core/request_checks.h).
+  absl::Status Check(const Request& request) const;
   EngineStats Stats() const;
   // One iteration of the engine loop on the caller's thread: takes submitted requests, reaps
   // cancelled and expired ones, runs one batched step. Only without the background thread.
@@ -162,6 +167,9 @@ class Engine {
          std::shared_ptr<const Tokenizer> tokenizer, EngineConfig config);
   void Loop();
   void TakeInbox();
+  // SubmitGroup's parts: a checked request's sequences (the leader holding the rest), and the queue.
+  std::unique_ptr<Seq> MakeGroup(Request r, std::vector<std::shared_ptr<RequestHandle>>* handles);
+  absl::Status Enqueue(std::unique_ptr<Seq> leader, int members);
   // One iteration: with `plan`, take submissions, reap, schedule, build and launch the next step;
   // land the step in flight, if any (with overlap, the one launched by the previous iteration).
   void Step(bool plan);

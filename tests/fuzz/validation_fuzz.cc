@@ -1,6 +1,6 @@
-// Request validation of arbitrary bytes read as a GenerateRequest and as a ScoreRequest: either
-// INVALID_ARGUMENT naming the field ("field: what; allowed ..."), or an engine request inside every
-// limit.
+// Request validation of arbitrary bytes read as a GenerateRequest and as a ScoreRequest, the
+// server's mapping and then the engine's checks: either INVALID_ARGUMENT naming the field
+// ("field: what; allowed ...", the field its payload), or an engine request inside every limit.
 #include <cstddef>
 #include <cstdint>
 
@@ -9,6 +9,29 @@
 #include "tests/fuzz/fuzz_check.h"
 
 namespace {
+
+const relgen::RequestLimits kLimits = [] {
+  relgen::RequestLimits l;
+  l.max_new_tokens = 40;
+  return l;
+}();
+
+// The server's mapping, then the engine's checks (a cache that holds any request the model's
+// context does) and what the engine does to a checked request.
+bool Accepted(const absl::Status& mapped, const relgen::ModelConfig& config, relgen::Request* out) {
+  absl::Status s = mapped;
+  if (s.ok()) s = relgen::CheckRequest(*out, config, kLimits, relgen::KvCapacity{1 << 20, 16});
+  if (!s.ok()) {
+    FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    const std::string field = relgen::ErrorField(s);
+    FUZZ_CHECK(!field.empty());
+    FUZZ_CHECK(s.message().substr(0, field.size() + 2) == field + ": ");
+    return false;
+  }
+  relgen::TruncatePrompt(out);
+  relgen::PrepareControls(out, config.eos_token_id);
+  return true;
+}
 
 relgen::ModelConfig Config() {
   relgen::ModelConfig c;
@@ -22,12 +45,7 @@ relgen::ModelConfig Config() {
 void CheckScore(const relgen::v1::ScoreRequest& req, const relgen::ModelConfig& config, const relgen::Tokenizer& tokenizer,
                 const relgen::server::Options& options) {
   relgen::Request out;
-  const grpc::Status s = relgen::server::ToEngineRequest(req, config, tokenizer, options, &out);
-  if (!s.ok()) {
-    FUZZ_CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-    FUZZ_CHECK(s.error_message().find(": ") != std::string::npos);
-    return;
-  }
+  if (!Accepted(relgen::server::ToEngineRequest(req, config, tokenizer, options, kLimits, &out), config, &out)) return;
   const int n = static_cast<int>(out.prompt.size());
   FUZZ_CHECK(n >= 1 && n < config.max_seq_len);
   for (int32_t t : out.prompt) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
@@ -36,8 +54,8 @@ void CheckScore(const relgen::v1::ScoreRequest& req, const relgen::ModelConfig& 
     FUZZ_CHECK(!c.empty() && n + static_cast<int>(c.size()) <= config.max_seq_len);
     for (int32_t t : c) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
   }
-  FUZZ_CHECK(out.sampling.logprobs >= 0 && out.sampling.logprobs <= relgen::server::kMaxLogprobs);
-  FUZZ_CHECK(out.id.size() <= static_cast<size_t>(relgen::server::kMaxRequestIdBytes));
+  FUZZ_CHECK(out.sampling.logprobs >= 0 && out.sampling.logprobs <= kLimits.max_logprobs);
+  FUZZ_CHECK(out.id.size() <= static_cast<size_t>(kLimits.max_request_id_bytes));
 }
 
 }  // namespace
@@ -47,7 +65,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const auto tokenizer = relgen::NewByteTokenizer();
   static const relgen::server::Options options = [] {
     relgen::server::Options o;
-    o.max_new_tokens = 40;
     o.default_max_new_tokens = 8;
     o.max_prompt_bytes = 48;
     return o;
@@ -57,10 +74,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   relgen::v1::GenerateRequest req;
   if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
   relgen::Request out;
-  const grpc::Status s = relgen::server::ToEngineRequest(req, config, *tokenizer, options, &out);
-  if (!s.ok()) {
-    FUZZ_CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-    FUZZ_CHECK(s.error_message().find(": ") != std::string::npos);
+  if (!Accepted(relgen::server::ToEngineRequest(req, config, *tokenizer, options, kLimits, &out), config, &out)) {
     return 0;
   }
   const int n = static_cast<int>(out.prompt.size());
@@ -72,21 +86,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const bool truncated = req.truncate_prompt_tokens() > 0 && n == req.truncate_prompt_tokens();
     FUZZ_CHECK(truncated || out.prompt[0] == config.bos_token_id);
   }
-  FUZZ_CHECK(out.stop.max_new_tokens >= 1 && out.stop.max_new_tokens <= options.max_new_tokens);
+  FUZZ_CHECK(out.stop.max_new_tokens >= 1 && out.stop.max_new_tokens <= kLimits.max_new_tokens);
   FUZZ_CHECK(n + out.stop.max_new_tokens <= config.max_seq_len);
   const relgen::SamplingParams& p = out.sampling;
   FUZZ_CHECK(p.temperature >= 0 && p.temperature <= 100);
   FUZZ_CHECK(p.top_k >= 0 && p.top_k <= config.vocab_size);
   FUZZ_CHECK(p.top_p > 0 && p.top_p <= 1);
   FUZZ_CHECK(p.repetition_penalty > 0 && p.repetition_penalty <= 10);
-  FUZZ_CHECK(p.logprobs <= relgen::server::kMaxLogprobs);
-  FUZZ_CHECK(out.stop.stop_strings.size() <= static_cast<size_t>(relgen::server::kMaxStopStrings));
+  FUZZ_CHECK(p.logprobs <= kLimits.max_logprobs);
+  FUZZ_CHECK(out.stop.stop_strings.size() <= static_cast<size_t>(kLimits.max_stop_strings));
   for (const std::string& st : out.stop.stop_strings) {
-    FUZZ_CHECK(!st.empty() && st.size() <= static_cast<size_t>(relgen::server::kMaxStopStringBytes));
+    FUZZ_CHECK(!st.empty() && st.size() <= static_cast<size_t>(kLimits.max_stop_string_bytes));
   }
-  FUZZ_CHECK(out.stop.stop_token_ids.size() <= static_cast<size_t>(relgen::server::kMaxStopTokenIds));
+  FUZZ_CHECK(out.stop.stop_token_ids.size() <= static_cast<size_t>(kLimits.max_stop_token_ids));
   for (int32_t t : out.stop.stop_token_ids) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
-  FUZZ_CHECK(out.id.size() <= static_cast<size_t>(relgen::server::kMaxRequestIdBytes));
+  FUZZ_CHECK(out.id.size() <= static_cast<size_t>(kLimits.max_request_id_bytes));
   FUZZ_CHECK(out.n >= 1 && out.n <= relgen::kMaxSamples);
   FUZZ_CHECK(out.prompt_logprobs >= -1 && out.prompt_logprobs <= relgen::kMaxPromptLogprobs);
   FUZZ_CHECK(out.continuations.empty());
