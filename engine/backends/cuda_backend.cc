@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/backends/walk_decoder.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/decoder_kernels.h"
@@ -340,8 +341,11 @@ class CudaBackend final : public Backend {
   // The inputs of `enc` (rows.keys: each row's input length), encoded; then every decoder layer's
   // cross-attention K/V of them written into the pool through `cross` (their cross block tables).
   absl::Status Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross);
-  // The residual feed-forward block of the layer named by prefix `p`, on x_'s first `rows` rows.
-  absl::Status FeedForward(const std::string& p, int rows);
+  // The feed-forward block's body of the layer named by prefix `p` on `in` (x_ or h_, `rows` rows),
+  // its output added to x_.
+  absl::Status Mlp(const std::string& p, const float* in, int rows);
+  // The operations WalkDecoder (walk_decoder.h) calls for one step's Decoder.
+  struct DecoderOps;
   // What a step's buffers are sized by. `tokens` is the rows of the activations: a step's decoder
   // tokens, or the inputs it encodes where they are more.
   struct StepShape {
@@ -832,29 +836,18 @@ absl::Status CudaBackend::Collect(std::vector<SampleResult>* results) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::FeedForward(const std::string& p, int rows) {
+absl::Status CudaBackend::Mlp(const std::string& p, const float* in, int rows) {
   const ModelConfig& c = model_->config();
   const int d = c.d_model, f = c.ffn_dim;
-  const bool pre = c.norm_placement == NormPlacement::kPre;
-  const float* in = x_.f();
-  if (pre) {
-    if (auto s = Norm(x_.f(), rows, p + "ffn_norm", h_.f()); !s.ok()) return s;
-    in = h_.f();
-  }
   const int act = ActivationCode(c.ffn_activation);
   if (c.ffn_gated) {
     if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f()); !s.ok()) return s;
     if (auto s = Linear(in, rows, d, p + "ffn.gate", f, gate_.f()); !s.ok()) return s;
     RELGEN_CUDA_RETURN(cuda::ActivateGated(act, gate_.f(), up_.f(), int64_t{rows} * f, stream_));
-    if (auto s = Linear(gate_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true); !s.ok()) return s;
-  } else {
-    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
-    if (auto s = Linear(up_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true); !s.ok()) return s;
+    return Linear(gate_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true);
   }
-  if (!pre) {
-    if (auto s = Norm(x_.f(), rows, p + "ffn_norm", x_.f()); !s.ok()) return s;
-  }
-  return absl::OkStatus();
+  if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
+  return Linear(up_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true);
 }
 
 absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross) {
@@ -874,7 +867,13 @@ absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int 
     RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q(), enc, max_len, c.attention_scale, EncoderRel(l), own,
                                                     att_.f(), work_.f(), options_.attention_split_keys, stream_));
     if (auto s = Linear(att_.f(), rows, w, p + "attn.o", d, x_.f(), -1, true); !s.ok()) return s;
-    if (auto s = FeedForward(p, rows); !s.ok()) return s;
+    if (c.norm_placement == NormPlacement::kPre) {
+      if (auto s = Norm(x_.f(), rows, p + "ffn_norm", h_.f()); !s.ok()) return s;
+      if (auto s = Mlp(p, h_.f(), rows); !s.ok()) return s;
+    } else {
+      if (auto s = Mlp(p, x_.f(), rows); !s.ok()) return s;
+      if (auto s = Norm(x_.f(), rows, p + "ffn_norm", x_.f()); !s.ok()) return s;
+    }
   }
   if (auto s = Norm(x_.f(), rows, "encoder.final_norm", h_.f()); !s.ok()) return s;
   // Every decoder layer's cross-attention keys and values of the encoder output, into the pool.
@@ -1019,57 +1018,75 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Decoder(const StepRows& s) {
-  const ModelConfig& c = model_->config();
-  const int d = c.d_model, w = c.qkv_width();
-  const int total = s.total, kept = s.kept, max_keys = s.max_keys, max_input = s.max_input;
-  const cuda::Rows& rows = s.rows;
-  const cuda::Rows& cross_rows = s.cross_rows;
-  const bool enc_dec = c.encoder_decoder;
-  RELGEN_CUDA_RETURN(cuda::Embedding(s.tokens, total, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
-  if (c.embedding_norm) {
-    if (auto st = Norm(x_.f(), total, "embed_norm", x_.f()); !st.ok()) return st;
-  }
-  const bool pre = c.norm_placement == NormPlacement::kPre;
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string p = absl::StrCat("layers.", l, ".");
-    const float* in = x_.f();
-    if (pre) {
-      if (auto st = Norm(x_.f(), total, p + "attn_norm", h_.f()); !st.ok()) return st;
-      in = h_.f();
-    }
-    const cuda::KvPool pool = Pool(l);
-    bool written = false;
-    if (auto st = Qkv(in, total, p, &pool, &rows, &written); !st.ok()) return st;
-    if (!written) RELGEN_CUDA_RETURN(cuda::WriteKv(pool, rows, k(), v(), stream_));
-    RELGEN_CUDA_RETURN(cuda::Attention(q(), rows, max_keys, c.attention_scale, Rel(l), pool, att_.f(), work_.f(),
-                                       options_.attention_split_keys, stream_, s.tiled));
-    if (auto st = Linear(att_.f(), total, w, p + "attn.o", d, x_.f(), -1, true); !st.ok()) return st;
-    if (!pre) {
-      if (auto st = Norm(x_.f(), total, p + "attn_norm", x_.f()); !st.ok()) return st;
-    }
-    if (enc_dec) {
-      // Cross-attention: every new token over all its input's keys in the pool, no relative term.
-      if (auto st = Norm(x_.f(), total, p + "cross_norm", h_.f()); !st.ok()) return st;
-      if (auto st = Linear(h_.f(), total, d, p + "cross.q", w, q()); !st.ok()) return st;
-      RELGEN_CUDA_RETURN(cuda::Attention(q(), cross_rows, max_input, c.attention_scale, cuda::Relative{}, pool,
-                                         att_.f(), work_.f(), options_.attention_split_keys, stream_, s.tiled));
-      if (auto st = Linear(att_.f(), total, w, p + "cross.o", d, x_.f(), -1, true); !st.ok()) return st;
-    }
-    if (auto st = FeedForward(p, total); !st.ok()) return st;
-  }
-  // The kept rows (gathered like an embedding lookup), the final norm, the vocabulary projection
-  // (whose alpha is the lm_head input scale: tied T5's d_model^-0.5, else 1).
-  RELGEN_CUDA_RETURN(cuda::Embedding(s.keep, kept, x_.f(), d, 1.f, h_.f(), stream_));
-  if (pre) {
-    if (auto st = Norm(h_.f(), kept, "final_norm", h_.f()); !st.ok()) return st;
-  }
-  const float alpha = c.lm_head_input_scale;
-  if (!options_.cublas_gemms) {
-    RELGEN_CUDA_RETURN(Project(h_.f(), kept, d, "lm_head.weight", c.vocab_size, nullptr, -1, false, alpha, logits_d_.f()));
+// One step's operations, enqueued on stream_: x_ is the residual stream, h_ the branch input and
+// then the gathered rows.
+struct CudaBackend::DecoderOps {
+  CudaBackend& be;
+  const ModelConfig& c;
+  const StepRows& s;
+
+  float* At(RowsAt at) const { return at == RowsAt::kStream ? be.x_.f() : be.h_.f(); }
+  static std::string Prefix(int l) { return absl::StrCat("layers.", l, "."); }
+  absl::Status Embed() {
+    RELGEN_CUDA_RETURN(cuda::Embedding(s.tokens, s.total, be.W("embed.weight"), c.d_model, c.embedding_scale,
+                                       be.x_.f(), be.stream_));
     return absl::OkStatus();
   }
-  return Gemm(h_.f(), kept, d, "lm_head.weight", c.vocab_size, alpha, 0.f, logits_d_.f());
+  absl::Status Norm(NormOf which, int l, RowsAt at) {
+    std::string name;
+    switch (which) {
+      case NormOf::kEmbedding: name = "embed_norm"; break;
+      case NormOf::kAttention: name = Prefix(l) + "attn_norm"; break;
+      case NormOf::kCross: name = Prefix(l) + "cross_norm"; break;
+      case NormOf::kFeedForward: name = Prefix(l) + "ffn_norm"; break;
+      case NormOf::kFinal: name = "final_norm"; break;
+    }
+    if (at == RowsAt::kGathered) return be.Norm(be.h_.f(), s.kept, name, be.h_.f());
+    return be.Norm(be.x_.f(), s.total, name, At(at));
+  }
+  absl::Status QkvToCache(int l, RowsAt in) {
+    const cuda::KvPool pool = be.Pool(l);
+    bool written = false;
+    if (auto st = be.Qkv(At(in), s.total, Prefix(l), &pool, &s.rows, &written); !st.ok()) return st;
+    if (!written) RELGEN_CUDA_RETURN(cuda::WriteKv(pool, s.rows, be.k(), be.v(), be.stream_));
+    return absl::OkStatus();
+  }
+  absl::Status Attention(int l) {
+    RELGEN_CUDA_RETURN(cuda::Attention(be.q(), s.rows, s.max_keys, c.attention_scale, be.Rel(l), be.Pool(l),
+                                       be.att_.f(), be.work_.f(), be.options_.attention_split_keys, be.stream_,
+                                       s.tiled));
+    return be.Linear(be.att_.f(), s.total, c.qkv_width(), Prefix(l) + "attn.o", c.d_model, be.x_.f(), -1, true);
+  }
+  // Every new token over all its input's keys in the pool.
+  absl::Status CrossAttention(int l) {
+    const int d = c.d_model, w = c.qkv_width();
+    if (auto st = be.Linear(be.h_.f(), s.total, d, Prefix(l) + "cross.q", w, be.q()); !st.ok()) return st;
+    RELGEN_CUDA_RETURN(cuda::Attention(be.q(), s.cross_rows, s.max_input, c.attention_scale, cuda::Relative{},
+                                       be.Pool(l), be.att_.f(), be.work_.f(), be.options_.attention_split_keys,
+                                       be.stream_, s.tiled));
+    return be.Linear(be.att_.f(), s.total, w, Prefix(l) + "cross.o", d, be.x_.f(), -1, true);
+  }
+  absl::Status FeedForward(int l, RowsAt in) { return be.Mlp(Prefix(l), At(in), s.total); }
+  // Like an embedding lookup, from the stream.
+  absl::Status GatherRows() {
+    RELGEN_CUDA_RETURN(cuda::Embedding(s.keep, s.kept, be.x_.f(), c.d_model, 1.f, be.h_.f(), be.stream_));
+    return absl::OkStatus();
+  }
+  // The LM head's input scale as the projection's alpha (tied T5's d_model^-0.5, else 1).
+  absl::Status LmHead() {
+    const float alpha = c.lm_head_input_scale;
+    if (!be.options_.cublas_gemms) {
+      RELGEN_CUDA_RETURN(be.Project(be.h_.f(), s.kept, c.d_model, "lm_head.weight", c.vocab_size, nullptr, -1, false,
+                                    alpha, be.logits_d_.f()));
+      return absl::OkStatus();
+    }
+    return be.Gemm(be.h_.f(), s.kept, c.d_model, "lm_head.weight", c.vocab_size, alpha, 0.f, be.logits_d_.f());
+  }
+};
+
+absl::Status CudaBackend::Decoder(const StepRows& s) {
+  DecoderOps ops{*this, model_->config(), s};
+  return WalkDecoder(model_->config(), ops);
 }
 
 absl::Status CudaBackend::DecodeGraph(StepRows s) {
