@@ -82,6 +82,30 @@ int ActivationCode(cpu::Activation a) {
   return -1;
 }
 
+// A matrix (and its bias) as the device holds it: float32, or bf16 (--weights_dtype bf16's
+// projections); null where the model has none.
+struct DeviceMatrix {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+  const float* bias = nullptr;
+  // Where the matrix starts, in bytes, whichever its type (the fused QKV's layout).
+  const char* bytes() const {
+    return bf16 != nullptr ? reinterpret_cast<const char*>(bf16) : reinterpret_cast<const char*>(f32);
+  }
+  int64_t element_bytes() const { return bf16 != nullptr ? 2 : 4; }
+};
+struct DeviceNorm {
+  const float* w = nullptr;
+  const float* b = nullptr;
+};
+// One layer's weights on the device, resolved by name once at Init: a step looks nothing up.
+struct DeviceLayer {
+  DeviceNorm attn_norm, cross_norm, ffn_norm;
+  DeviceMatrix q, k, v, o, up, gate, down;
+  DeviceMatrix cq, ck, cv, co;  // cross-attention (encoder-decoder decoder layers)
+  cuda::Relative rel;           // the self-attention's relative term
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(std::shared_ptr<const Model> model, const CudaOptions& o)
@@ -238,6 +262,7 @@ class CudaBackend final : public Backend {
       RELGEN_CUDA_RETURN(cudaMalloc(&alibi_, s.size() * sizeof(float)));
       RELGEN_CUDA_RETURN(cudaMemcpyAsync(alibi_, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
     }
+    if (absl::Status st = ResolveWeights(); !st.ok()) return st;
     // The host sources are pageable and stay the model's; waiting here makes Init's end the point
     // after which the device holds the weights.
     RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
@@ -341,9 +366,8 @@ class CudaBackend final : public Backend {
   // The inputs of `enc` (rows.keys: each row's input length), encoded; then every decoder layer's
   // cross-attention K/V of them written into the pool through `cross` (their cross block tables).
   absl::Status Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross);
-  // The feed-forward block's body of the layer named by prefix `p` on `in` (x_ or h_, `rows` rows),
-  // its output added to x_.
-  absl::Status Mlp(const std::string& p, const float* in, int rows);
+  // The feed-forward block's body of layer `L` on `in` (x_ or h_, `rows` rows), its output added to x_.
+  absl::Status Mlp(const DeviceLayer& L, const float* in, int rows);
   // The operations WalkDecoder (walk_decoder.h) calls for one step's Decoder.
   struct DecoderOps;
   // What a step's buffers are sized by. `tokens` is the rows of the activations: a step's decoder
@@ -482,17 +506,68 @@ class CudaBackend final : public Backend {
     weight_bytes_ += static_cast<int64_t>(names.size() * n * sizeof(uint16_t));
     return absl::OkStatus();
   }
-  // f(the matrix `name` as stored): a const uint16_t* (bf16 bits) or a const float*.
-  template <typename F>
-  cudaError_t WithMatrix(const std::string& name, F&& f) const {
-    if (auto it = weights16_.find(name); it != weights16_.end()) return f(it->second);
-    return f(W(name));
+  const uint16_t* W16(const std::string& name) const {
+    auto it = weights16_.find(name);
+    return it == weights16_.end() ? nullptr : it->second;
   }
-  // relgen's projection kernel over the matrix `name` in whichever type it is stored.
-  cudaError_t Project(const float* x, int rows, int in, const std::string& name, int out, const float* bias, int act,
+  DeviceMatrix Matrix(const std::string& p) const { return {W(p + ".weight"), W16(p + ".weight"), W(p + ".bias")}; }
+  DeviceNorm NormWeights(const std::string& p) const { return {W(p + ".weight"), W(p + ".bias")}; }
+  DeviceLayer LayerOf(const std::string& p) const {
+    DeviceLayer l;
+    l.attn_norm = NormWeights(p + "attn_norm");
+    l.cross_norm = NormWeights(p + "cross_norm");
+    l.ffn_norm = NormWeights(p + "ffn_norm");
+    l.q = Matrix(p + "attn.q");
+    l.k = Matrix(p + "attn.k");
+    l.v = Matrix(p + "attn.v");
+    l.o = Matrix(p + "attn.o");
+    l.up = Matrix(p + "ffn.up");
+    l.gate = Matrix(p + "ffn.gate");
+    l.down = Matrix(p + "ffn.down");
+    l.cq = Matrix(p + "cross.q");
+    l.ck = Matrix(p + "cross.k");
+    l.cv = Matrix(p + "cross.v");
+    l.co = Matrix(p + "cross.o");
+    return l;
+  }
+  // The typed weights of every layer, from the uploaded ones by name (Init, after the tables).
+  absl::Status ResolveWeights() {
+    const ModelConfig& c = model_->config();
+    for (int l = 0; l < c.n_layers; ++l) {
+      layers_.push_back(LayerOf(absl::StrCat("layers.", l, ".")));
+      layers_.back().rel = Rel(l);
+    }
+    for (int l = 0; l < c.n_encoder_layers; ++l) {
+      encoder_layers_.push_back(LayerOf(absl::StrCat("encoder.layers.", l, ".")));
+      encoder_layers_.back().rel = EncoderRel(l);
+    }
+    embed_ = W("embed.weight");
+    embed_norm_ = NormWeights("embed_norm");
+    final_norm_ = NormWeights("final_norm");
+    encoder_final_norm_ = NormWeights("encoder.final_norm");
+    lm_head_ = Matrix("lm_head");
+    if (CublasBf16()) {
+      // GemmEx multiplies bf16 matrices only: every projection must have gone up as one.
+      for (const TensorSpec& spec : ExpectedTensors(c)) {
+        if (IsProjection(spec.name) && W16(spec.name) == nullptr) {
+          return absl::InternalError("bf16 weight " + spec.name + " missing on the device");
+        }
+      }
+      if (lm_head_.bf16 == nullptr) return absl::InternalError("bf16 weight lm_head.weight missing on the device");
+    }
+    return absl::OkStatus();
+  }
+  // f(matrix m as stored): a const uint16_t* (bf16 bits) or a const float*.
+  template <typename F>
+  static cudaError_t WithMatrix(const DeviceMatrix& m, F&& f) {
+    if (m.bf16 != nullptr) return f(m.bf16);
+    return f(m.f32);
+  }
+  // relgen's projection kernel over matrix `m` in whichever type it is stored.
+  cudaError_t Project(const float* x, int rows, int in, const DeviceMatrix& m, int out, const float* bias, int act,
                       bool residual, float alpha, float* y, int batch = 1, int64_t w_stride = 0,
                       int64_t bias_stride = 0, int64_t y_stride = 0) {
-    return WithMatrix(name, [&](auto w) {
+    return WithMatrix(m, [&](auto w) {
       if constexpr (std::is_same_v<decltype(w), const uint16_t*>) {
         if (options_.tensor_cores) {
           return cuda::LinearMma(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride,
@@ -503,40 +578,34 @@ class CudaBackend final : public Backend {
                           y_stride);
     });
   }
-  // Where a projection's matrix starts, in bytes, whichever its type (for the fused QKV's layout).
-  const char* WeightBytes(const std::string& name) const {
-    if (auto it = weights16_.find(name); it != weights16_.end()) return reinterpret_cast<const char*>(it->second);
-    return reinterpret_cast<const char*>(W(name));
-  }
   // y[rows, out] = x[rows, in] * W^T (+ bias, + activation), or with `residual` y += x * W^T (+ bias):
   // the residual add as the GEMM's beta, no launch of its own. Row-major through column-major cuBLAS.
-  absl::Status Linear(const float* x, int rows, int in, const std::string& w, int out, float* y, int act = -1,
+  absl::Status Linear(const float* x, int rows, int in, const DeviceMatrix& m, int out, float* y, int act = -1,
                       bool residual = false) {
     if (!options_.cublas_gemms) {
-      RELGEN_CUDA_RETURN(Project(x, rows, in, w + ".weight", out, W(w + ".bias"), act, residual, 1.f, y));
+      RELGEN_CUDA_RETURN(Project(x, rows, in, m, out, m.bias, act, residual, 1.f, y));
       return absl::OkStatus();
     }
-    if (auto st = Gemm(x, rows, in, w + ".weight", out, 1.f, residual ? 1.f : 0.f, y); !st.ok()) return st;
-    const float* bias = W(w + ".bias");
+    if (auto st = Gemm(x, rows, in, m, out, 1.f, residual ? 1.f : 0.f, y); !st.ok()) return st;
+    const float* bias = m.bias;
     if (bias == nullptr && act < 0) return absl::OkStatus();  // nothing to launch for
     RELGEN_CUDA_RETURN(cuda::BiasActivate(y, rows, out, bias, act, stream_));
     return absl::OkStatus();
   }
   // cuBLAS's y[z][rows, out] = alpha * x[rows, in] * W_z^T + beta * y[z] for z < batch, W_z the
-  // matrix `name` (+ z * w_stride elements) as stored: float32 by SGEMM, or bf16 by GemmEx over x
+  // matrix `m` (+ z * w_stride elements) as stored: float32 by SGEMM, or bf16 by GemmEx over x
   // rounded to bf16 (float32 sums, tensor cores). Row-major through column-major cuBLAS.
-  absl::Status Gemm(const float* x, int rows, int in, const std::string& name, int out, float alpha, float beta,
+  absl::Status Gemm(const float* x, int rows, int in, const DeviceMatrix& m, int out, float alpha, float beta,
                     float* y, int batch = 1, int64_t w_stride = 0, int64_t y_stride = 0) {
     if (!CublasBf16()) {
-      RELGEN_CUBLAS_RETURN(cublasSgemmStridedBatched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, W(name), in,
+      RELGEN_CUBLAS_RETURN(cublasSgemmStridedBatched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, m.f32, in,
                                                      w_stride, x, in, 0, &beta, y, out, y_stride, batch));
       return absl::OkStatus();
     }
-    const auto it = weights16_.find(name);
-    if (it == weights16_.end()) return absl::InternalError("bf16 weight " + name + " missing on the device");
+    if (m.bf16 == nullptr) return absl::InternalError("a bf16 weight missing on the device");  // ResolveWeights
     uint16_t* const x16 = static_cast<uint16_t*>(x16_.ptr);
     RELGEN_CUDA_RETURN(cuda::RoundToBf16(x, int64_t{rows} * in, x16, stream_));
-    RELGEN_CUBLAS_RETURN(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, it->second,
+    RELGEN_CUBLAS_RETURN(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, m.bf16,
                                                     CUDA_R_16BF, in, w_stride, x16, CUDA_R_16BF, in, 0, &beta, y,
                                                     CUDA_R_32F, out, y_stride, batch, CUBLAS_COMPUTE_32F,
                                                     CUBLAS_GEMM_DEFAULT));
@@ -550,30 +619,30 @@ class CudaBackend final : public Backend {
   float* q() const { return qkv_.f(); }
   float* k() const { return qkv_.f() + QkvStride(); }
   float* v() const { return qkv_.f() + 2 * QkvStride(); }
-  // The self-attention projections of the layer named by prefix `p` into q(), k(), v(): one
+  // The self-attention projections of layer `L` into q(), k(), v(): one
   // strided-batched GEMM over the fused weights and at most one bias launch.
   // With `cache`, k and v may go straight into the layer's pool at `cache_rows` (relgen's fused
   // projection); *written says whether they did, else they are in k(), v() for WriteKv.
-  absl::Status Qkv(const float* x, int rows, const std::string& p, const cuda::KvPool* cache = nullptr,
+  absl::Status Qkv(const float* x, int rows, const DeviceLayer& L, const cuda::KvPool* cache = nullptr,
                    const cuda::Rows* cache_rows = nullptr, bool* written = nullptr) {
     if (written != nullptr) *written = false;
     const ModelConfig& c = model_->config();
     const int d = c.d_model, w = c.qkv_width();
     const int64_t wd = int64_t{w} * d;
-    const int64_t eb = weights16_.count(p + "attn.q.weight") > 0 ? 2 : 4;
-    const char* at = WeightBytes(p + "attn.q.weight");
-    if (WeightBytes(p + "attn.k.weight") != at + wd * eb || WeightBytes(p + "attn.v.weight") != at + 2 * wd * eb) {
-      for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
-        if (auto s = Linear(x, rows, d, p + name, w, out); !s.ok()) return s;
+    const int64_t eb = L.q.element_bytes();
+    const char* at = L.q.bytes();
+    if (L.k.bytes() != at + wd * eb || L.v.bytes() != at + 2 * wd * eb) {
+      for (auto [m, out] : {std::pair{&L.q, q()}, std::pair{&L.k, k()}, std::pair{&L.v, v()}}) {
+        if (auto s = Linear(x, rows, d, *m, w, out); !s.ok()) return s;
       }
       return absl::OkStatus();
     }
-    const float* bq = W(p + "attn.q.bias");
+    const float* bq = L.q.bias;
     if (!options_.cublas_gemms) {
-      const bool fused_bias = bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w;
-      if (fused_bias || (bq == nullptr && W(p + "attn.k.bias") == nullptr && W(p + "attn.v.bias") == nullptr)) {
+      const bool fused_bias = bq != nullptr && L.k.bias == bq + w && L.v.bias == bq + 2 * w;
+      if (fused_bias || (bq == nullptr && L.k.bias == nullptr && L.v.bias == nullptr)) {
         if (cache != nullptr) {
-          RELGEN_CUDA_RETURN(WithMatrix(p + "attn.q.weight", [&](auto wqkv) {
+          RELGEN_CUDA_RETURN(WithMatrix(L.q, [&](auto wqkv) {
             if constexpr (std::is_same_v<decltype(wqkv), const uint16_t*>) {
               if (options_.tensor_cores) {
                 return cuda::QkvToCacheMma(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_, work_.f());
@@ -584,31 +653,30 @@ class CudaBackend final : public Backend {
           *written = true;
           return absl::OkStatus();
         }
-        RELGEN_CUDA_RETURN(Project(x, rows, d, p + "attn.q.weight", w, bq, -1, false, 1.f, q(), 3, wd, w, QkvStride()));
+        RELGEN_CUDA_RETURN(Project(x, rows, d, L.q, w, bq, -1, false, 1.f, q(), 3, wd, w, QkvStride()));
         return absl::OkStatus();
       }
-      for (auto [name, out] : {std::pair{"attn.q", q()}, std::pair{"attn.k", k()}, std::pair{"attn.v", v()}}) {
-        if (auto s = Linear(x, rows, d, p + name, w, out); !s.ok()) return s;
+      for (auto [m, out] : {std::pair{&L.q, q()}, std::pair{&L.k, k()}, std::pair{&L.v, v()}}) {
+        if (auto s = Linear(x, rows, d, *m, w, out); !s.ok()) return s;
       }
       return absl::OkStatus();
     }
-    if (auto st = Gemm(x, rows, d, p + "attn.q.weight", w, 1.f, 0.f, q(), 3, wd, QkvStride()); !st.ok()) return st;
-    if (bq != nullptr && W(p + "attn.k.bias") == bq + w && W(p + "attn.v.bias") == bq + 2 * w) {
+    if (auto st = Gemm(x, rows, d, L.q, w, 1.f, 0.f, q(), 3, wd, QkvStride()); !st.ok()) return st;
+    if (bq != nullptr && L.k.bias == bq + w && L.v.bias == bq + 2 * w) {
       RELGEN_CUDA_RETURN(cuda::BiasActivate(q(), rows, w, bq, -1, stream_, 3, QkvStride()));
       return absl::OkStatus();
     }
-    for (auto [name, out] : {std::pair{"attn.q.bias", q()}, std::pair{"attn.k.bias", k()}, std::pair{"attn.v.bias", v()}}) {
-      if (const float* b = W(p + name); b != nullptr) RELGEN_CUDA_RETURN(cuda::BiasActivate(out, rows, w, b, -1, stream_));
+    for (auto [b, out] : {std::pair{L.q.bias, q()}, std::pair{L.k.bias, k()}, std::pair{L.v.bias, v()}}) {
+      if (b != nullptr) RELGEN_CUDA_RETURN(cuda::BiasActivate(out, rows, w, b, -1, stream_));
     }
     return absl::OkStatus();
   }
-  absl::Status Norm(const float* x, int rows, const std::string& p, float* y) {
+  absl::Status Norm(const float* x, int rows, const DeviceNorm& n, float* y) {
     const ModelConfig& c = model_->config();
-    RELGEN_CUDA_RETURN(cuda::Norm(c.norm == NormKind::kLayerNorm, x, rows, c.d_model, W(p + ".weight"), W(p + ".bias"),
-                                  c.norm_eps, y, stream_));
+    RELGEN_CUDA_RETURN(cuda::Norm(c.norm == NormKind::kLayerNorm, x, rows, c.d_model, n.w, n.b, c.norm_eps, y, stream_));
     return absl::OkStatus();
   }
-  // The encoder's relative term, as the CPU's: T5's signed buckets, or none.
+  // The encoder's relative term, as the CPU's: T5's signed buckets, or none (ResolveWeights).
   cuda::Relative EncoderRel(int layer) const {
     const ModelConfig& c = model_->config();
     cuda::Relative r;
@@ -629,6 +697,7 @@ class CudaBackend final : public Backend {
     return cuda::KvPool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim,
                         options_.kv_type == cpu::KvType::kBf16 ? cuda::KvElem::kBf16 : cuda::KvElem::kF32};
   }
+  // Layer `layer`'s relative term (ResolveWeights).
   cuda::Relative Rel(int layer) const {
     const ModelConfig& c = model_->config();
     const std::string p = c.rel.share_across_layers ? "attn." : absl::StrCat("layers.", layer, ".attn.");
@@ -659,6 +728,11 @@ class CudaBackend final : public Backend {
   std::vector<float*> owned_;
   std::unordered_map<std::string, const uint16_t*> weights16_;  // bf16 projections, into owned16_
   std::vector<void*> owned16_;
+  // The weights a step reads, typed (ResolveWeights); the maps above are Init's.
+  std::vector<DeviceLayer> layers_, encoder_layers_;
+  const float* embed_ = nullptr;
+  DeviceNorm embed_norm_, final_norm_, encoder_final_norm_;
+  DeviceMatrix lm_head_;
   std::vector<void*> k_pools_, v_pools_;  // of options_.kv_type
   int32_t* t5_table_ = nullptr;
   int32_t* t5_encoder_table_ = nullptr;  // encoder-decoder T5: signed buckets
@@ -836,18 +910,18 @@ absl::Status CudaBackend::Collect(std::vector<SampleResult>* results) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Mlp(const std::string& p, const float* in, int rows) {
+absl::Status CudaBackend::Mlp(const DeviceLayer& L, const float* in, int rows) {
   const ModelConfig& c = model_->config();
   const int d = c.d_model, f = c.ffn_dim;
   const int act = ActivationCode(c.ffn_activation);
   if (c.ffn_gated) {
-    if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f()); !s.ok()) return s;
-    if (auto s = Linear(in, rows, d, p + "ffn.gate", f, gate_.f()); !s.ok()) return s;
+    if (auto s = Linear(in, rows, d, L.up, f, up_.f()); !s.ok()) return s;
+    if (auto s = Linear(in, rows, d, L.gate, f, gate_.f()); !s.ok()) return s;
     RELGEN_CUDA_RETURN(cuda::ActivateGated(act, gate_.f(), up_.f(), int64_t{rows} * f, stream_));
-    return Linear(gate_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true);
+    return Linear(gate_.f(), rows, f, L.down, d, x_.f(), -1, true);
   }
-  if (auto s = Linear(in, rows, d, p + "ffn.up", f, up_.f(), act); !s.ok()) return s;
-  return Linear(up_.f(), rows, f, p + "ffn.down", d, x_.f(), -1, true);
+  if (auto s = Linear(in, rows, d, L.up, f, up_.f(), act); !s.ok()) return s;
+  return Linear(up_.f(), rows, f, L.down, d, x_.f(), -1, true);
 }
 
 absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross) {
@@ -855,32 +929,31 @@ absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int 
   const int d = c.d_model, w = c.qkv_width(), rows = enc.n;
   // As the CPU's encoder: the embedding, then per layer pre-norm self-attention and the
   // feed-forward block, then the encoder's final norm.
-  RELGEN_CUDA_RETURN(cuda::Embedding(ids, rows, W("embed.weight"), d, c.embedding_scale, x_.f(), stream_));
+  RELGEN_CUDA_RETURN(cuda::Embedding(ids, rows, embed_, d, c.embedding_scale, x_.f(), stream_));
   // The projections' K/V [rows, width] are read in place as a pool of one-token blocks: block b
   // is row b, and each row's table starts at its input's first row (enc.table_offset into the
   // identity table), so attention never crosses inputs and no copy is made.
   const cuda::KvPool own{k(), v(), 1, c.n_heads, c.head_dim};
   for (int l = 0; l < c.n_encoder_layers; ++l) {
-    const std::string p = absl::StrCat("encoder.layers.", l, ".");
-    if (auto s = Norm(x_.f(), rows, p + "attn_norm", h_.f()); !s.ok()) return s;
-    if (auto s = Qkv(h_.f(), rows, p); !s.ok()) return s;
-    RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q(), enc, max_len, c.attention_scale, EncoderRel(l), own,
+    const DeviceLayer& L = encoder_layers_[l];
+    if (auto s = Norm(x_.f(), rows, L.attn_norm, h_.f()); !s.ok()) return s;
+    if (auto s = Qkv(h_.f(), rows, L); !s.ok()) return s;
+    RELGEN_CUDA_RETURN(cuda::AttentionBidirectional(q(), enc, max_len, c.attention_scale, L.rel, own,
                                                     att_.f(), work_.f(), options_.attention_split_keys, stream_));
-    if (auto s = Linear(att_.f(), rows, w, p + "attn.o", d, x_.f(), -1, true); !s.ok()) return s;
+    if (auto s = Linear(att_.f(), rows, w, L.o, d, x_.f(), -1, true); !s.ok()) return s;
     if (c.norm_placement == NormPlacement::kPre) {
-      if (auto s = Norm(x_.f(), rows, p + "ffn_norm", h_.f()); !s.ok()) return s;
-      if (auto s = Mlp(p, h_.f(), rows); !s.ok()) return s;
+      if (auto s = Norm(x_.f(), rows, L.ffn_norm, h_.f()); !s.ok()) return s;
+      if (auto s = Mlp(L, h_.f(), rows); !s.ok()) return s;
     } else {
-      if (auto s = Mlp(p, x_.f(), rows); !s.ok()) return s;
-      if (auto s = Norm(x_.f(), rows, p + "ffn_norm", x_.f()); !s.ok()) return s;
+      if (auto s = Mlp(L, x_.f(), rows); !s.ok()) return s;
+      if (auto s = Norm(x_.f(), rows, L.ffn_norm, x_.f()); !s.ok()) return s;
     }
   }
-  if (auto s = Norm(x_.f(), rows, "encoder.final_norm", h_.f()); !s.ok()) return s;
+  if (auto s = Norm(x_.f(), rows, encoder_final_norm_, h_.f()); !s.ok()) return s;
   // Every decoder layer's cross-attention keys and values of the encoder output, into the pool.
   for (int l = 0; l < c.n_layers; ++l) {
-    const std::string p = absl::StrCat("layers.", l, ".");
-    if (auto s = Linear(h_.f(), rows, d, p + "cross.k", w, k()); !s.ok()) return s;
-    if (auto s = Linear(h_.f(), rows, d, p + "cross.v", w, v()); !s.ok()) return s;
+    if (auto s = Linear(h_.f(), rows, d, layers_[l].ck, w, k()); !s.ok()) return s;
+    if (auto s = Linear(h_.f(), rows, d, layers_[l].cv, w, v()); !s.ok()) return s;
     RELGEN_CUDA_RETURN(cuda::WriteKv(Pool(l), cross, k(), v(), stream_));
   }
   return absl::OkStatus();
@@ -1026,47 +1099,46 @@ struct CudaBackend::DecoderOps {
   const StepRows& s;
 
   float* At(RowsAt at) const { return at == RowsAt::kStream ? be.x_.f() : be.h_.f(); }
-  static std::string Prefix(int l) { return absl::StrCat("layers.", l, "."); }
   absl::Status Embed() {
-    RELGEN_CUDA_RETURN(cuda::Embedding(s.tokens, s.total, be.W("embed.weight"), c.d_model, c.embedding_scale,
-                                       be.x_.f(), be.stream_));
+    RELGEN_CUDA_RETURN(cuda::Embedding(s.tokens, s.total, be.embed_, c.d_model, c.embedding_scale, be.x_.f(), be.stream_));
     return absl::OkStatus();
   }
   absl::Status Norm(NormOf which, int l, RowsAt at) {
-    std::string name;
+    const DeviceNorm* n = nullptr;
     switch (which) {
-      case NormOf::kEmbedding: name = "embed_norm"; break;
-      case NormOf::kAttention: name = Prefix(l) + "attn_norm"; break;
-      case NormOf::kCross: name = Prefix(l) + "cross_norm"; break;
-      case NormOf::kFeedForward: name = Prefix(l) + "ffn_norm"; break;
-      case NormOf::kFinal: name = "final_norm"; break;
+      case NormOf::kEmbedding: n = &be.embed_norm_; break;
+      case NormOf::kAttention: n = &be.layers_[l].attn_norm; break;
+      case NormOf::kCross: n = &be.layers_[l].cross_norm; break;
+      case NormOf::kFeedForward: n = &be.layers_[l].ffn_norm; break;
+      case NormOf::kFinal: n = &be.final_norm_; break;
     }
-    if (at == RowsAt::kGathered) return be.Norm(be.h_.f(), s.kept, name, be.h_.f());
-    return be.Norm(be.x_.f(), s.total, name, At(at));
+    if (at == RowsAt::kGathered) return be.Norm(be.h_.f(), s.kept, *n, be.h_.f());
+    return be.Norm(be.x_.f(), s.total, *n, At(at));
   }
   absl::Status QkvToCache(int l, RowsAt in) {
     const cuda::KvPool pool = be.Pool(l);
     bool written = false;
-    if (auto st = be.Qkv(At(in), s.total, Prefix(l), &pool, &s.rows, &written); !st.ok()) return st;
+    if (auto st = be.Qkv(At(in), s.total, be.layers_[l], &pool, &s.rows, &written); !st.ok()) return st;
     if (!written) RELGEN_CUDA_RETURN(cuda::WriteKv(pool, s.rows, be.k(), be.v(), be.stream_));
     return absl::OkStatus();
   }
   absl::Status Attention(int l) {
-    RELGEN_CUDA_RETURN(cuda::Attention(be.q(), s.rows, s.max_keys, c.attention_scale, be.Rel(l), be.Pool(l),
-                                       be.att_.f(), be.work_.f(), be.options_.attention_split_keys, be.stream_,
-                                       s.tiled));
-    return be.Linear(be.att_.f(), s.total, c.qkv_width(), Prefix(l) + "attn.o", c.d_model, be.x_.f(), -1, true);
+    const DeviceLayer& L = be.layers_[l];
+    RELGEN_CUDA_RETURN(cuda::Attention(be.q(), s.rows, s.max_keys, c.attention_scale, L.rel, be.Pool(l), be.att_.f(),
+                                       be.work_.f(), be.options_.attention_split_keys, be.stream_, s.tiled));
+    return be.Linear(be.att_.f(), s.total, c.qkv_width(), L.o, c.d_model, be.x_.f(), -1, true);
   }
   // Every new token over all its input's keys in the pool.
   absl::Status CrossAttention(int l) {
+    const DeviceLayer& L = be.layers_[l];
     const int d = c.d_model, w = c.qkv_width();
-    if (auto st = be.Linear(be.h_.f(), s.total, d, Prefix(l) + "cross.q", w, be.q()); !st.ok()) return st;
+    if (auto st = be.Linear(be.h_.f(), s.total, d, L.cq, w, be.q()); !st.ok()) return st;
     RELGEN_CUDA_RETURN(cuda::Attention(be.q(), s.cross_rows, s.max_input, c.attention_scale, cuda::Relative{},
                                        be.Pool(l), be.att_.f(), be.work_.f(), be.options_.attention_split_keys,
                                        be.stream_, s.tiled));
-    return be.Linear(be.att_.f(), s.total, w, Prefix(l) + "cross.o", d, be.x_.f(), -1, true);
+    return be.Linear(be.att_.f(), s.total, w, L.co, d, be.x_.f(), -1, true);
   }
-  absl::Status FeedForward(int l, RowsAt in) { return be.Mlp(Prefix(l), At(in), s.total); }
+  absl::Status FeedForward(int l, RowsAt in) { return be.Mlp(be.layers_[l], At(in), s.total); }
   // Like an embedding lookup, from the stream.
   absl::Status GatherRows() {
     RELGEN_CUDA_RETURN(cuda::Embedding(s.keep, s.kept, be.x_.f(), c.d_model, 1.f, be.h_.f(), be.stream_));
@@ -1076,11 +1148,11 @@ struct CudaBackend::DecoderOps {
   absl::Status LmHead() {
     const float alpha = c.lm_head_input_scale;
     if (!be.options_.cublas_gemms) {
-      RELGEN_CUDA_RETURN(be.Project(be.h_.f(), s.kept, c.d_model, "lm_head.weight", c.vocab_size, nullptr, -1, false,
-                                    alpha, be.logits_d_.f()));
+      RELGEN_CUDA_RETURN(be.Project(be.h_.f(), s.kept, c.d_model, be.lm_head_, c.vocab_size, nullptr, -1, false, alpha,
+                                    be.logits_d_.f()));
       return absl::OkStatus();
     }
-    return be.Gemm(be.h_.f(), s.kept, c.d_model, "lm_head.weight", c.vocab_size, alpha, 0.f, be.logits_d_.f());
+    return be.Gemm(be.h_.f(), s.kept, c.d_model, be.lm_head_, c.vocab_size, alpha, 0.f, be.logits_d_.f());
   }
 };
 
