@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/backends/walk_decoder.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu/gemm.h"
@@ -59,7 +60,7 @@ cpu::PackedMatrix Pack(const StoredMatrix& m, cpu::WeightType wt) {
 }
 
 // Rows of the stored embedding for `ids`, times `scale`, into out [n, dim].
-void Embed(const StoredMatrix& table, const int32_t* ids, int n, float scale, float* out) {
+void EmbedRows(const StoredMatrix& table, const int32_t* ids, int n, float scale, float* out) {
   const int64_t dim = table.cols;
   for (int i = 0; i < n; ++i) {
     float* o = out + i * dim;
@@ -220,8 +221,10 @@ class CpuBackend final : public Backend {
     float *x, *h, *q, *k, *v, *att, *tmp, *up, *gate;
   };
   Buffers Size(int total);
-  // Residual feed-forward block on x [total, d_model].
-  void FeedForward(const LayerWeights& lw, const PackedLayer& pl, int total, const Buffers& b);
+  // The feed-forward block's body on `in` [total, d_model], its output added to x.
+  void Mlp(const LayerWeights& lw, const PackedLayer& pl, const float* in, int total, const Buffers& b);
+  // The operations WalkDecoder (walk_decoder.h) calls for one Forward.
+  struct DecoderOps;
   // Encodes the input of every step that carries one and writes each decoder layer's cross K/V.
   void Encode(absl::Span<const SequenceStep> steps);
   void Linear(const float* x, int rows, const cpu::PackedMatrix& w, const float* bias, float* y) {
@@ -285,14 +288,8 @@ CpuBackend::Buffers CpuBackend::Size(int total) {
           sized(tmp_, total * d), sized(up_, total * f),  c.ffn_gated ? sized(gate_, total * f) : nullptr};
 }
 
-void CpuBackend::FeedForward(const LayerWeights& lw, const PackedLayer& pl, int total, const Buffers& b) {
+void CpuBackend::Mlp(const LayerWeights& lw, const PackedLayer& pl, const float* in, int total, const Buffers& b) {
   const ModelConfig& c = model_->config();
-  const bool pre = c.norm_placement == NormPlacement::kPre;
-  const float* in = b.x;
-  if (pre) {
-    Norm(b.x, total, lw.ffn_norm_w, lw.ffn_norm_b, b.h);
-    in = b.h;
-  }
   Linear(in, total, pl.up, lw.b_up, b.up);
   const float* act = b.up;
   const int f = c.ffn_dim;
@@ -308,7 +305,6 @@ void CpuBackend::FeedForward(const LayerWeights& lw, const PackedLayer& pl, int 
   }
   Linear(act, total, pl.down, lw.b_down, b.tmp);
   Add(b.x, b.tmp, total, c.d_model);
-  if (!pre) Norm(b.x, total, lw.ffn_norm_w, lw.ffn_norm_b, b.x);
 }
 
 void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
@@ -330,7 +326,7 @@ void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
   }
   for (size_t j = 0; j < which.size(); ++j) {
     const SequenceStep& s = steps[which[j]];
-    Embed(model_->embed(), s.encoder_tokens.data(), s.encoder_len, c.embedding_scale, b.x + int64_t{rows[j]} * d);
+    EmbedRows(model_->embed(), s.encoder_tokens.data(), s.encoder_len, c.embedding_scale, b.x + int64_t{rows[j]} * d);
   }
   // Each input's K/V as one contiguous block: attention never crosses inputs.
   static const int32_t kOneBlock[1] = {0};
@@ -366,7 +362,13 @@ void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
     });
     Linear(b.att, total, pl.o, lw.bo, b.tmp);
     Add(b.x, b.tmp, total, d);
-    FeedForward(lw, pl, total, b);
+    if (c.norm_placement == NormPlacement::kPre) {
+      Norm(b.x, total, lw.ffn_norm_w, lw.ffn_norm_b, b.h);
+      Mlp(lw, pl, b.h, total, b);
+    } else {
+      Mlp(lw, pl, b.x, total, b);
+      Norm(b.x, total, lw.ffn_norm_w, lw.ffn_norm_b, b.x);
+    }
   }
   Norm(b.x, total, model_->encoder_final_norm_w(), model_->encoder_final_norm_b(), b.h);
   // Every decoder layer's cross-attention keys and values of the encoder output, into the pool.
@@ -382,113 +384,144 @@ void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
   }
 }
 
+// One Forward's operations: x is the residual stream, h the branch input and then the gathered rows.
+struct CpuBackend::DecoderOps {
+  CpuBackend& be;
+  const ModelConfig& c;
+  absl::Span<const SequenceStep> steps;
+  const Buffers& b;
+  const std::vector<int>& rows;  // each step's first row
+  int total, out_rows;
+  std::vector<float>* logits;
+
+  const float* At(RowsAt at) const { return at == RowsAt::kStream ? b.x : b.h; }
+  absl::Status Embed() {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const SequenceStep& s = steps[i];
+      EmbedRows(be.model_->embed(), s.tokens.data(), static_cast<int>(s.tokens.size()), c.embedding_scale,
+                 b.x + int64_t{rows[i]} * c.d_model);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Norm(NormOf which, int l, RowsAt at) {
+    const float *w = nullptr, *bias = nullptr;
+    switch (which) {
+      case NormOf::kEmbedding: w = be.model_->embed_norm_w(), bias = be.model_->embed_norm_b(); break;
+      case NormOf::kAttention: w = be.model_->layer(l).attn_norm_w, bias = be.model_->layer(l).attn_norm_b; break;
+      case NormOf::kCross: w = be.model_->layer(l).cross_norm_w, bias = be.model_->layer(l).cross_norm_b; break;
+      case NormOf::kFeedForward: w = be.model_->layer(l).ffn_norm_w, bias = be.model_->layer(l).ffn_norm_b; break;
+      case NormOf::kFinal: w = be.model_->final_norm_w(), bias = be.model_->final_norm_b(); break;
+    }
+    if (at == RowsAt::kGathered) {
+      be.Norm(b.h, out_rows, w, bias, b.h);
+    } else {
+      be.Norm(b.x, total, w, bias, at == RowsAt::kStream ? b.x : b.h);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status QkvToCache(int l, RowsAt in) {
+    const LayerWeights& lw = be.model_->layer(l);
+    const PackedLayer& pl = be.packed_[l];
+    const int w = c.qkv_width();
+    be.Linear(At(in), total, pl.q, lw.bq, b.q);
+    be.Linear(At(in), total, pl.k, lw.bk, b.k);
+    be.Linear(At(in), total, pl.v, lw.bv, b.v);
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const int64_t off = int64_t{rows[i]} * w;
+      cpu::WriteKv(be.View(l, steps[i].block_table), b.k + off, b.v + off, steps[i].start_pos,
+                   static_cast<int>(steps[i].tokens.size()));
+    }
+    return absl::OkStatus();
+  }
+  // One (sequence, head) per work item.
+  absl::Status Attention(int l) {
+    const int heads = c.n_heads, w = c.qkv_width();
+    be.pool_.ParallelFor(static_cast<int>(steps.size()) * heads, [&](int begin, int end) {
+      for (int item = begin; item < end; ++item) {
+        const SequenceStep& s = steps[item / heads];
+        const int hd = item % heads;
+        const int n = static_cast<int>(s.tokens.size());
+        const int64_t off = int64_t{rows[item / heads]} * w;
+        const cpu::KvView view = be.View(l, s.block_table);
+        if (n == 1) {
+          cpu::AttentionDecode(be.dims_, be.rel_[l], view, b.q + off, s.start_pos, b.att + off, hd, hd + 1);
+        } else {
+          cpu::AttentionPrefill(be.dims_, be.rel_[l], view, b.q + off, s.start_pos, n, b.att + off, hd, hd + 1);
+        }
+      }
+    });
+    const LayerWeights& lw = be.model_->layer(l);
+    be.Linear(b.att, total, be.packed_[l].o, lw.bo, b.tmp);
+    be.Add(b.x, b.tmp, total, c.d_model);
+    return absl::OkStatus();
+  }
+  absl::Status CrossAttention(int l) {
+    const LayerWeights& lw = be.model_->layer(l);
+    const int heads = c.n_heads, w = c.qkv_width();
+    be.Linear(b.h, total, be.packed_[l].cq, lw.cq_b, b.q);
+    be.pool_.ParallelFor(static_cast<int>(steps.size()) * heads, [&](int begin, int end) {
+      for (int item = begin; item < end; ++item) {
+        const SequenceStep& s = steps[item / heads];
+        const int hd = item % heads;
+        const cpu::KvView view = be.View(l, s.cross_block_table);
+        for (int i = 0; i < static_cast<int>(s.tokens.size()); ++i) {
+          const int64_t off = int64_t{rows[item / heads] + i} * w;
+          cpu::AttentionDecode(be.dims_, be.cross_rel_, view, b.q + off, s.encoder_len - 1, b.att + off, hd, hd + 1);
+        }
+      }
+    });
+    be.Linear(b.att, total, be.packed_[l].co, lw.co_b, b.tmp);
+    be.Add(b.x, b.tmp, total, c.d_model);
+    return absl::OkStatus();
+  }
+  absl::Status FeedForward(int l, RowsAt in) {
+    be.Mlp(be.model_->layer(l), be.packed_[l], At(in), total, b);
+    return absl::OkStatus();
+  }
+  absl::Status GatherRows() {
+    const int d = c.d_model;
+    int row = 0, o = 0;
+    for (const SequenceStep& s : steps) {
+      const int n = static_cast<int>(s.tokens.size());
+      const int first = s.all_logits ? row : row + n - 1;
+      const int count = s.all_logits ? n : 1;
+      std::copy(b.x + int64_t{first} * d, b.x + int64_t{first + count} * d, b.h + int64_t{o} * d);
+      o += count;
+      row += n;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status LmHead() {
+    float* const sel = b.h;
+    // Rounded activations: the scale after the product, as the tensor cores' epilogue applies it.
+    const bool scale_input = c.lm_head_input_scale != 1.0f && !be.bf16_activations_;
+    if (scale_input) {
+      for (int64_t i = 0; i < int64_t{out_rows} * c.d_model; ++i) sel[i] *= c.lm_head_input_scale;
+    }
+    logits->resize(int64_t{out_rows} * c.vocab_size);
+    be.Linear(sel, out_rows, be.lm_head_, nullptr, logits->data());
+    if (c.lm_head_input_scale != 1.0f && !scale_input) {
+      for (float& v : *logits) v *= c.lm_head_input_scale;
+    }
+    return absl::OkStatus();
+  }
+};
+
 absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
   const ModelConfig& c = model_->config();
   if (auto st = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_, c.encoder_decoder); !st.ok()) return st;
   if (c.encoder_decoder) Encode(steps);
   int total = 0;
   int out_rows = 0;
-  for (const SequenceStep& s : steps) {
-    total += static_cast<int>(s.tokens.size());
-    out_rows += s.all_logits ? static_cast<int>(s.tokens.size()) : 1;
-  }
-  const int d = c.d_model, w = c.qkv_width();
-  const Buffers b = Size(total);
-  float* const x = b.x;
-  float* const h = b.h;
-  {
-    int row = 0;
-    for (const SequenceStep& s : steps) {
-      Embed(model_->embed(), s.tokens.data(), static_cast<int>(s.tokens.size()), c.embedding_scale,
-            x + int64_t{row} * d);
-      row += static_cast<int>(s.tokens.size());
-    }
-  }
-  if (c.embedding_norm) Norm(x, total, model_->embed_norm_w(), model_->embed_norm_b(), x);
   std::vector<int> rows(steps.size());
-  for (size_t i = 0, row = 0; i < steps.size(); row += steps[i].tokens.size(), ++i) rows[i] = static_cast<int>(row);
-  const bool pre = c.norm_placement == NormPlacement::kPre;
-  const int heads = c.n_heads;
-  for (int l = 0; l < c.n_layers; ++l) {
-    const LayerWeights& lw = model_->layer(l);
-    const float* in = x;
-    if (pre) {
-      Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, h);
-      in = h;
-    }
-    Linear(in, total, packed_[l].q, lw.bq, b.q);
-    Linear(in, total, packed_[l].k, lw.bk, b.k);
-    Linear(in, total, packed_[l].v, lw.bv, b.v);
-    // K/V of every new token first, then attention, one (sequence, head) per work item.
-    for (size_t i = 0; i < steps.size(); ++i) {
-      const int64_t off = int64_t{rows[i]} * w;
-      cpu::WriteKv(View(l, steps[i].block_table), b.k + off, b.v + off, steps[i].start_pos,
-                   static_cast<int>(steps[i].tokens.size()));
-    }
-    pool_.ParallelFor(static_cast<int>(steps.size()) * heads, [&](int begin, int end) {
-      for (int item = begin; item < end; ++item) {
-        const SequenceStep& s = steps[item / heads];
-        const int hd = item % heads;
-        const int n = static_cast<int>(s.tokens.size());
-        const int64_t off = int64_t{rows[item / heads]} * w;
-        const cpu::KvView view = View(l, s.block_table);
-        if (n == 1) {
-          cpu::AttentionDecode(dims_, rel_[l], view, b.q + off, s.start_pos, b.att + off, hd, hd + 1);
-        } else {
-          cpu::AttentionPrefill(dims_, rel_[l], view, b.q + off, s.start_pos, n, b.att + off, hd, hd + 1);
-        }
-      }
-    });
-    Linear(b.att, total, packed_[l].o, lw.bo, b.tmp);
-    Add(x, b.tmp, total, d);
-    if (!pre) Norm(x, total, lw.attn_norm_w, lw.attn_norm_b, x);
-
-    if (c.encoder_decoder) {
-      // Cross-attention: each new token attends to every encoder position, with no relative term.
-      Norm(x, total, lw.cross_norm_w, lw.cross_norm_b, h);
-      Linear(h, total, packed_[l].cq, lw.cq_b, b.q);
-      pool_.ParallelFor(static_cast<int>(steps.size()) * heads, [&](int begin, int end) {
-        for (int item = begin; item < end; ++item) {
-          const SequenceStep& s = steps[item / heads];
-          const int hd = item % heads;
-          const cpu::KvView view = View(l, s.cross_block_table);
-          for (int i = 0; i < static_cast<int>(s.tokens.size()); ++i) {
-            const int64_t off = int64_t{rows[item / heads] + i} * w;
-            cpu::AttentionDecode(dims_, cross_rel_, view, b.q + off, s.encoder_len - 1, b.att + off, hd, hd + 1);
-          }
-        }
-      });
-      Linear(b.att, total, packed_[l].co, lw.co_b, b.tmp);
-      Add(x, b.tmp, total, d);
-    }
-    FeedForward(lw, packed_[l], total, b);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    rows[i] = total;
+    total += static_cast<int>(steps[i].tokens.size());
+    out_rows += steps[i].all_logits ? static_cast<int>(steps[i].tokens.size()) : 1;
   }
-
-  // Rows whose logits are wanted, gathered before the final norm and the vocabulary projection.
-  float* sel = h;
-  {
-    int row = 0, o = 0;
-    for (const SequenceStep& s : steps) {
-      const int n = static_cast<int>(s.tokens.size());
-      const int first = s.all_logits ? row : row + n - 1;
-      const int count = s.all_logits ? n : 1;
-      std::copy(x + int64_t{first} * d, x + int64_t{first + count} * d, sel + int64_t{o} * d);
-      o += count;
-      row += n;
-    }
-  }
-  if (pre) Norm(sel, out_rows, model_->final_norm_w(), model_->final_norm_b(), sel);
-  // Rounded activations: the scale after the product, as the tensor cores' epilogue applies it.
-  const bool scale_input = c.lm_head_input_scale != 1.0f && !bf16_activations_;
-  if (scale_input) {
-    for (int64_t i = 0; i < int64_t{out_rows} * d; ++i) sel[i] *= c.lm_head_input_scale;
-  }
-  logits->resize(int64_t{out_rows} * c.vocab_size);
-  Linear(sel, out_rows, lm_head_, nullptr, logits->data());
-  if (c.lm_head_input_scale != 1.0f && !scale_input) {
-    for (float& v : *logits) v *= c.lm_head_input_scale;
-  }
-  return absl::OkStatus();
+  const Buffers b = Size(total);
+  DecoderOps ops{*this, c, steps, b, rows, total, out_rows, logits};
+  return WalkDecoder(c, ops);
 }
 
 }  // namespace
