@@ -72,15 +72,6 @@ EXCEPTIONS = {
     # Issue 49's one request path removes HTTP's side door into GenerationService (SubmitFromHttp).
     ("server/openai_api.h", "server/service.h", "http-grpc-apart"):
         "OpenAiApi calls GenerationService::SubmitFromHttp until both APIs share one request path",
-    # The CUDA backend names the storage types cpu::KvType (kernels/cpu/attention.h) and
-    # cpu::WeightType (kernels/cpu/gemm.h); they move to a neutral kernels/ header when
-    # cuda_backend.{h,cc} is split (issue 49), and the includes go with them.
-    ("engine/backends/cuda_backend.h", "kernels/cpu/attention.h", "cuda-backend-cpu-kernels"):
-        "cpu::KvType until the storage types have a device-neutral header",
-    ("engine/backends/cuda_backend.h", "kernels/cpu/gemm.h", "cuda-backend-cpu-kernels"):
-        "cpu::WeightType until the storage types have a device-neutral header",
-    ("engine/backends/cuda_backend.cc", "kernels/cpu/thread_pool.h", "cuda-backend-cpu-kernels"):
-        "the host thread pool that converts weights for upload, until it has a device-neutral home",
 }
 
 

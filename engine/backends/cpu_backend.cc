@@ -16,7 +16,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu/gemm.h"
-#include "kernels/cpu/thread_pool.h"
+#include "kernels/thread_pool.h"
 #include "kernels/cpu/ops.h"
 
 namespace relgen {

@@ -50,8 +50,8 @@ absl::Status CudaBackend::Init() {
     for (int64_t d : spec.shape) n *= d;
     count[spec.name] = n;
   }
-  const bool bf16 = options_.weight_type == cpu::WeightType::kBf16;
-  upload_pool_ = std::make_unique<cpu::ThreadPool>(
+  const bool bf16 = options_.weight_type == WeightType::kBf16;
+  upload_pool_ = std::make_unique<ThreadPool>(
       static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u)));
   for (const TensorSpec& spec : ExpectedTensors(c)) {
     if (weights_.count(spec.name) > 0 || weights16_.count(spec.name) > 0) continue;  // placed beside its q
@@ -138,7 +138,7 @@ absl::Status CudaBackend::Init() {
     kv_.num_blocks = static_cast<int>(std::min<int64_t>(blocks, 1 << 30));
   }
   const int64_t per_layer =
-      int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim * cpu::KvTypeBytes(options_.kv_type);
+      int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim * KvTypeBytes(options_.kv_type);
   for (int l = 0; l < c.n_layers; ++l) {
     RELGEN_CUDA_RETURN(cudaMalloc(&k_pools_.emplace_back(nullptr), per_layer));
     RELGEN_CUDA_RETURN(cudaMalloc(&v_pools_.emplace_back(nullptr), per_layer));
@@ -306,7 +306,7 @@ absl::Status CudaBackend::UploadBf16(const std::vector<std::string>& names, int6
     const StoredMatrix* m = names[i] == "lm_head.weight" ? &model_->lm_head() : model_->Matrix(names[i]);
     if (m == nullptr) return absl::InternalError("weight " + names[i] + " missing on the host");
     uint16_t* part = static_cast<uint16_t*>(dev) + i * n;
-    if (auto s = UploadRows(*m, part, [](float x) { return cpu::ToBf16(x); }); !s.ok()) return s;
+    if (auto s = UploadRows(*m, part, [](float x) { return ToBf16(x); }); !s.ok()) return s;
     weights16_[names[i]] = part;
   }
   weight_bytes_ += static_cast<int64_t>(names.size() * n * sizeof(uint16_t));
@@ -405,8 +405,8 @@ int CudaDeviceCount() {
   return n;
 }
 
-int64_t CudaKvBytesPerToken(const ModelConfig& c, cpu::KvType kv_type) {
-  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * cpu::KvTypeBytes(kv_type);
+int64_t CudaKvBytesPerToken(const ModelConfig& c, KvType kv_type) {
+  return int64_t{2} * c.n_layers * c.n_heads * c.head_dim * KvTypeBytes(kv_type);
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int device) {
@@ -436,11 +436,11 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
     return absl::InvalidArgumentError(absl::StrCat("head_dim ", model->config().head_dim,
                                                    ": the CUDA attention kernel supports up to 256"));
   }
-  if (o.weight_type == cpu::WeightType::kInt8) {
+  if (o.weight_type == WeightType::kInt8) {
     return absl::InvalidArgumentError(
         "--weights_dtype int8: the CUDA backend stores f32 or bf16 weights; use f32, bf16, or --device cpu");
   }
-  if (o.tensor_cores && (o.weight_type != cpu::WeightType::kBf16 || o.cublas_gemms)) {
+  if (o.tensor_cores && (o.weight_type != WeightType::kBf16 || o.cublas_gemms)) {
     return absl::InvalidArgumentError(
         "--cuda_gemm mma: tensor cores multiply bf16 weights; use --weights_dtype bf16 or auto (bf16 on a GPU), "
         "or --cuda_gemm invariant");

@@ -9,8 +9,7 @@
 #include "absl/status/statusor.h"
 #include "engine/backends/backend.h"
 #include "engine/model/model.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/gemm.h"
+#include "kernels/storage_types.h"
 
 namespace relgen {
 
@@ -18,7 +17,7 @@ namespace relgen {
 int CudaDeviceCount();
 
 // Bytes of device KV pool per token (every layer's K and V, in `kv_type`).
-int64_t CudaKvBytesPerToken(const ModelConfig& config, cpu::KvType kv_type = cpu::KvType::kF32);
+int64_t CudaKvBytesPerToken(const ModelConfig& config, KvType kv_type = KvType::kF32);
 
 struct CudaOptions {
   int device = 0;
@@ -27,9 +26,9 @@ struct CudaOptions {
   // the weights, the step buffers and `headroom_bytes`.
   int num_blocks = 0;
   double kv_memory_fraction = 0.9;
-  // How the pool stores K and V: float32, or bf16 (cpu::KvType's rule: rounded to nearest even when
+  // How the pool stores K and V: float32, or bf16 (KvType's rule: rounded to nearest even when
   // written, widened exactly when read, float32 arithmetic), half the bytes per token.
-  cpu::KvType kv_type = cpu::KvType::kF32;
+  KvType kv_type = KvType::kF32;
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): its buffers
   // are allocated at start, so no step can run out of device memory later.
   int max_step_tokens = 512;
@@ -51,11 +50,11 @@ struct CudaOptions {
   // bits depend on where its keys are split. Fewer keys per split give more blocks (batch 1 wants
   // them), at the cost of more partial results to merge.
   int attention_split_keys = 128;
-  // The projections' weights (and the LM head's): float32, or bf16 (cpu::WeightType::kBf16, the CPU
+  // The projections' weights (and the LM head's): float32, or bf16 (WeightType::kBf16, the CPU
   // backend's weight-only rule: rounded to nearest even at load, widened exactly, float32 sums),
   // half the weight bytes a decode step reads. int8 is the CPU's alone. Embeddings, norms, biases and relative tables stay
   // float32.
-  cpu::WeightType weight_type = cpu::WeightType::kF32;
+  WeightType weight_type = WeightType::kF32;
   // bf16 weights' projections on tensor cores (cuda::LinearMma: x rounded to bf16 per element, float
   // accumulation in a fixed order, rows batch invariant), instead of relgen's float32 kernel over the
   // widened weights. Needs weight_type kBf16.

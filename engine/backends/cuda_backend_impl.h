@@ -16,7 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/backends/cuda_backend.h"
-#include "kernels/cpu/thread_pool.h"
+#include "kernels/thread_pool.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/sampler_kernels.h"
 
@@ -113,8 +113,8 @@ class CudaBackend final : public Backend {
 #else
   std::string device() const override { return absl::StrCat("cuda:", device_); }
 #endif
-  std::string weights_dtype() const override { return cpu::WeightTypeName(options_.weight_type); }
-  std::string kv_cache_dtype() const override { return cpu::KvTypeName(options_.kv_type); }
+  std::string weights_dtype() const override { return WeightTypeName(options_.weight_type); }
+  std::string kv_cache_dtype() const override { return KvTypeName(options_.kv_type); }
   std::string projections() const override {
     if (options_.tensor_cores) return "mma projections";
     if (CublasBf16()) return "cublas bf16 tensor-core projections, not batch invariant";
@@ -244,7 +244,7 @@ class CudaBackend final : public Backend {
   // rounded to bf16 (float32 sums, tensor cores). Row-major through column-major cuBLAS.
   absl::Status Gemm(const float* x, int rows, int in, const DeviceMatrix& m, int out, float alpha, float beta,
                     float* y, int batch = 1, int64_t w_stride = 0, int64_t y_stride = 0);
-  bool CublasBf16() const { return options_.cublas_gemms && options_.weight_type == cpu::WeightType::kBf16; }
+  bool CublasBf16() const { return options_.cublas_gemms && options_.weight_type == WeightType::kBf16; }
   // cuBLAS's recommendation for Hopper; ample for the shapes of a step.
   static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
   // q, k and v [rows, qkv_width] each, in qkv_ one capacity apart (what the largest step reserved).
@@ -265,7 +265,7 @@ class CudaBackend final : public Backend {
   cuda::KvPool Pool(int l) const {
     const ModelConfig& c = model_->config();
     return cuda::KvPool{k_pools_[l], v_pools_[l], kv_.block_size, c.n_heads, c.head_dim,
-                        options_.kv_type == cpu::KvType::kBf16 ? cuda::KvElem::kBf16 : cuda::KvElem::kF32};
+                        options_.kv_type == KvType::kBf16 ? cuda::KvElem::kBf16 : cuda::KvElem::kF32};
   }
   // Layer `layer`'s relative term (ResolveWeights).
   cuda::Relative Rel(int layer) const;
@@ -290,7 +290,7 @@ class CudaBackend final : public Backend {
   int32_t* t5_encoder_table_ = nullptr;  // encoder-decoder T5: signed buckets
   float* alibi_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
-  std::unique_ptr<cpu::ThreadPool> upload_pool_;  // during Init only
+  std::unique_ptr<ThreadPool> upload_pool_;  // during Init only
   absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_, sample_;
   // cuBLAS with bf16 weights: a projection's input rounded to bf16 (its other operand), and the

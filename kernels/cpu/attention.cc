@@ -63,20 +63,6 @@ const AttentionKernels& AttentionKernelsFor(AttentionIsa isa) {
   return isa == AttentionIsa::kAvx512 ? kAvx512 : (isa == AttentionIsa::kAvx2 ? kAvx2 : kBase);
 }
 
-const char* KvTypeName(KvType t) { return t == KvType::kBf16 ? "bf16" : "f32"; }
-
-bool ParseKvType(const std::string& name, KvType* t) {
-  for (KvType c : {KvType::kF32, KvType::kBf16}) {
-    if (name == KvTypeName(c)) {
-      *t = c;
-      return true;
-    }
-  }
-  return false;
-}
-
-int KvTypeBytes(KvType t) { return t == KvType::kBf16 ? 2 : 4; }
-
 void WriteKv(const KvView& kv, const float* k, const float* v, int start, int n) {
   const int hd = kv.head_dim;
   const int width = kv.n_heads * hd;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/relpos.h"
+#include "kernels/storage_types.h"
 
 namespace relgen::cpu {
 
@@ -39,10 +40,6 @@ struct RelativeParams {
 // How the K/V cache stores an element. bf16 halves the cache's bytes (and what a decode step
 // reads of it): K and V are rounded to nearest even when written and widened exactly when read;
 // the arithmetic stays float32, so every row still takes one fixed sequence of operations.
-enum class KvType { kF32, kBf16 };
-const char* KvTypeName(KvType t);  // "f32", "bf16"
-bool ParseKvType(const std::string& name, KvType* t);
-int KvTypeBytes(KvType t);
 
 // One layer's keys and values, paged: pool [num_blocks, n_heads, block_size, head_dim] of `type`
 // elements (float, or uint16_t bf16 bits) and a block table mapping a sequence's logical block to

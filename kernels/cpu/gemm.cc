@@ -240,34 +240,6 @@ char* AllocateWeights(size_t bytes) {
 
 void PackedMatrix::Free::operator()(char* p) const { std::free(p); }
 
-const char* WeightTypeName(WeightType t) {
-  switch (t) {
-    case WeightType::kBf16: return "bf16";
-    case WeightType::kInt8: return "int8";
-    case WeightType::kF32: break;
-  }
-  return "f32";
-}
-
-bool ParseWeightType(const std::string& name, WeightType* t) {
-  for (WeightType c : {WeightType::kF32, WeightType::kBf16, WeightType::kInt8}) {
-    if (name == WeightTypeName(c)) {
-      *t = c;
-      return true;
-    }
-  }
-  return false;
-}
-
-int WeightTypeBytes(WeightType t) {
-  switch (t) {
-    case WeightType::kBf16: return 2;
-    case WeightType::kInt8: return 1;
-    case WeightType::kF32: break;
-  }
-  return 4;
-}
-
 PackedMatrix::PackedMatrix(const float* w, int n, int k, WeightType type)
     : PackedMatrix(n, k, type, [w, k](int o, float* out) {
         std::memcpy(out, w + static_cast<int64_t>(o) * k, static_cast<size_t>(k) * sizeof(float));

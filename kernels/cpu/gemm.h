@@ -11,7 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/thread_pool.h"
+#include "kernels/storage_types.h"
+#include "kernels/thread_pool.h"
 
 namespace relgen::cpu {
 
@@ -21,10 +22,6 @@ namespace relgen::cpu {
 // never depends on the rows beside it), the int8 x int8 products are summed exactly in int32, and
 // the sum is scaled back in float32 (Int8Epilogue). Exact integers make every int8 kernel give the
 // same bits on every CPU.
-enum class WeightType { kF32, kBf16, kInt8 };
-const char* WeightTypeName(WeightType t);  // "f32", "bf16", "int8"
-bool ParseWeightType(const std::string& name, WeightType* t);
-int WeightTypeBytes(WeightType t);
 
 // W [n, k] repacked into panels of 16 outputs, zero-padded, 64-byte aligned: [panels][k][16] for
 // f32 and bf16; int8 in groups of 4 inputs, [panels][k4 / 4][16][4] with k4 = k rounded up to 4,

@@ -13,7 +13,7 @@
 #include "engine/backends/device.h"
 #include "engine/model/model.h"
 #include "kernels/cpu/gemm.h"
-#include "kernels/cpu/thread_pool.h"
+#include "kernels/thread_pool.h"
 #include "nlohmann/json.hpp"
 #include "tools/bench/machine_bench.h"
 

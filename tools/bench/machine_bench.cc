@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "kernels/cpu/gemm.h"
-#include "kernels/cpu/thread_pool.h"
+#include "kernels/thread_pool.h"
 #include "nlohmann/json.hpp"
 
 namespace relgen::bench {

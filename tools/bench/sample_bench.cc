@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "engine/backends/sampler.h"
-#include "kernels/cpu/thread_pool.h"
+#include "kernels/thread_pool.h"
 
 namespace relgen::bench {
 

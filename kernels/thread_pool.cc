@@ -1,8 +1,8 @@
-#include "kernels/cpu/thread_pool.h"
+#include "kernels/thread_pool.h"
 
 #include <algorithm>
 
-namespace relgen::cpu {
+namespace relgen {
 
 ThreadPool::ThreadPool(int num_threads) {
   for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
@@ -85,4 +85,4 @@ void ThreadPool::WorkerLoop(int index) {
   }
 }
 
-}  // namespace relgen::cpu
+}  // namespace relgen

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-namespace relgen::cpu {
+namespace relgen {
 
 class ThreadPool {
  public:
@@ -37,4 +37,9 @@ class ThreadPool {
   std::atomic<bool> stop_{false};
 };
 
-}  // namespace relgen::cpu
+// The CPU kernels spell it cpu::ThreadPool; the CUDA backend uses it to convert weights for upload.
+namespace cpu {
+using ::relgen::ThreadPool;
+}  // namespace cpu
+
+}  // namespace relgen
