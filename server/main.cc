@@ -119,6 +119,10 @@ ABSL_FLAG(bool, reuse_port, false,
 ABSL_FLAG(bool, enable_test_hooks, false,
           "testing only: POST /testing/pause and /testing/resume on the admin listener hold and release the "
           "engine before its next step");
+ABSL_FLAG(double, http_request_timeout_seconds, 600,
+          "the deadline of an HTTP call, as a gRPC client's deadline is (0: none): past it the call's requests are "
+          "cancelled and it answers 504. 600, the OpenAI Python client's own timeout: by then a client on its defaults "
+          "has left");
 ABSL_FLAG(double, stream_write_timeout_seconds, 30,
           "cancel a stream whose client leaves a message unread this long (0: never)");
 
@@ -234,15 +238,17 @@ int ReadOptions(Options* out) {
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   o.stream_write_timeout_seconds = absl::GetFlag(FLAGS_stream_write_timeout_seconds);
+  o.http_request_timeout_seconds = absl::GetFlag(FLAGS_http_request_timeout_seconds);
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
 
   if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_encoder_tokens < 1 || o.max_waiting < 1 ||
       o.kv_block_size < 1 ||
       o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
       o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0 || o.max_concurrent_streams < 1 || o.http_threads < 1 ||
-      !(o.stream_write_timeout_seconds >= 0)) {
+      !(o.stream_write_timeout_seconds >= 0) || !(o.http_request_timeout_seconds >= 0)) {
     return Fail("a limit flag is out of range (counts >= 1, --threads >= 0, --max_message_bytes >= 1024, "
-                "--drain_grace_seconds >= 0, --stream_write_timeout_seconds >= 0)", 2);
+                "--drain_grace_seconds >= 0, --stream_write_timeout_seconds >= 0, "
+                "--http_request_timeout_seconds >= 0)", 2);
   }
   if (o.default_max_new_tokens > o.max_new_tokens) {
     return Fail("--default_max_new_tokens may not exceed --max_new_tokens", 2);
