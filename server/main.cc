@@ -34,6 +34,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "engine/backends/device.h"
@@ -121,6 +122,10 @@ ABSL_FLAG(bool, reuse_port, false,
 ABSL_FLAG(bool, enable_test_hooks, false,
           "testing only: POST /testing/pause and /testing/resume on the admin listener hold and release the "
           "engine before its next step");
+ABSL_FLAG(double, http_request_timeout_seconds, 600,
+          "the deadline of an HTTP call, as a gRPC client's deadline is (0: none): past it the call's requests are "
+          "cancelled and it answers 504. 600, the OpenAI Python client's own timeout: by then a client on its defaults "
+          "has left");
 ABSL_FLAG(double, stream_write_timeout_seconds, 30,
           "cancel a stream whose client leaves a message unread this long (0: never)");
 
@@ -239,14 +244,9 @@ void PrintHelp() {
   std::fputs(out.c_str(), stdout);
 }
 
-int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("relgen-server [--model DIR] [--listen HOST:PORT] [--metrics_listen HOST:PORT] ...");
-  if (WantsHelp(argc, argv)) {
-    PrintHelp();
-    return 0;
-  }
-  absl::ParseCommandLine(argc, argv);
-  Options o;
+// The flags as Options, each checked; 0, or the exit status after saying what is wrong.
+int ReadOptions(Options* out) {
+  Options& o = *out;
   o.model = absl::GetFlag(FLAGS_model);
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
@@ -277,15 +277,17 @@ int Main(int argc, char** argv) {
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   o.stream_write_timeout_seconds = absl::GetFlag(FLAGS_stream_write_timeout_seconds);
+  o.http_request_timeout_seconds = absl::GetFlag(FLAGS_http_request_timeout_seconds);
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
 
   if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_encoder_tokens < 1 || o.max_waiting < 1 ||
       o.kv_block_size < 1 ||
       o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
       o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0 || o.max_concurrent_streams < 1 || o.http_threads < 1 ||
-      !(o.stream_write_timeout_seconds >= 0)) {
+      !(o.stream_write_timeout_seconds >= 0) || !(o.http_request_timeout_seconds >= 0)) {
     return Fail("a limit flag is out of range (counts >= 1, --threads >= 0, --max_message_bytes >= 1024, "
-                "--drain_grace_seconds >= 0, --stream_write_timeout_seconds >= 0)", 2);
+                "--drain_grace_seconds >= 0, --stream_write_timeout_seconds >= 0, "
+                "--http_request_timeout_seconds >= 0)", 2);
   }
   if (o.default_max_new_tokens > o.max_new_tokens) {
     return Fail("--default_max_new_tokens may not exceed --max_new_tokens", 2);
@@ -306,11 +308,14 @@ int Main(int argc, char** argv) {
     o.model = DefaultModelDir();
     if (o.model.empty()) return Fail("no --model given and no default model in models/default", 2);
   }
+  return 0;
+}
 
-  // SIGTERM/SIGINT are blocked here, so every thread started from now on inherits the block, and
-  // WaitForStopSignal takes them. Threads that libraries started before main (the BLAS pool) do not
-  // block them: the handler catches a signal the kernel hands to one of those, where the default
-  // action would kill the process mid-drain.
+// SIGTERM/SIGINT are blocked here, so every thread started from now on inherits the block, and
+// WaitForStopSignal takes them. Threads that libraries started before main (the BLAS pool) do not
+// block them: the handler catches a signal the kernel hands to one of those, where the default
+// action would kill the process mid-drain.
+sigset_t BlockStopSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
@@ -321,95 +326,96 @@ int Main(int argc, char** argv) {
   sigaction(SIGTERM, &on_stop, nullptr);
   sigaction(SIGINT, &on_stop, nullptr);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
 
-  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  if (!o.tls_cert.empty()) {
-    grpc::SslServerCredentialsOptions ssl;
-    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-    if (!ReadFile(o.tls_cert, &pair.cert_chain)) return Fail("cannot read --tls_cert " + o.tls_cert, 2);
-    if (!ReadFile(o.tls_key, &pair.private_key)) return Fail("cannot read --tls_key " + o.tls_key, 2);
-    ssl.pem_key_cert_pairs.push_back(pair);
-    if (!o.tls_client_ca.empty()) {
-      if (!ReadFile(o.tls_client_ca, &ssl.pem_root_certs)) return Fail("cannot read --tls_client_ca " + o.tls_client_ca, 2);
-      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Options& o) {
+  if (o.tls_cert.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  if (!ReadFile(o.tls_cert, &pair.cert_chain)) return absl::InvalidArgumentError("cannot read --tls_cert " + o.tls_cert);
+  if (!ReadFile(o.tls_key, &pair.private_key)) return absl::InvalidArgumentError("cannot read --tls_key " + o.tls_key);
+  ssl.pem_key_cert_pairs.push_back(pair);
+  if (!o.tls_client_ca.empty()) {
+    if (!ReadFile(o.tls_client_ca, &ssl.pem_root_certs)) {
+      return absl::InvalidArgumentError("cannot read --tls_client_ca " + o.tls_client_ca);
     }
-    creds = grpc::SslServerCredentials(ssl);
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
+  return grpc::SslServerCredentials(ssl);
+}
 
-  std::atomic<Engine*> hooked_engine{nullptr};  // for the test hooks, once it exists; outlives the admin listener
-  auto metrics = std::make_shared<Metrics>();
-  GenerationService service(o, metrics.get());
+std::unique_ptr<grpc::Server> StartGrpc(const Options& o, const std::shared_ptr<grpc::ServerCredentials>& creds,
+                                        GenerationService* service, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(o.listen, creds, &port);
-  builder.RegisterService(&service);
+  builder.AddListeningPort(o.listen, creds, port);
+  builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.max_message_bytes, INT32_MAX)));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
   // gRPC sets SO_REUSEPORT by default, so a second server on a taken port would start and silently
   // take part of the first one's connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, absl::GetFlag(FLAGS_reuse_port) ? 1 : 0);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen + ": " + WhyNotListening(o.listen));
-  server->GetHealthCheckService()->SetServingStatus(false);
-  // The admin listener: Prometheus scrapes and probes, never TLS or tokens (docs/operations.md).
-  HttpListener::Settings admin_settings;
-  HttpListener admin("metrics", admin_settings);
-  admin.server().Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {
+  return builder.BuildAndStart();
+}
+
+// The admin listener's routes: Prometheus scrapes and probes, never TLS or tokens
+// (docs/operations.md), and the test hooks when enabled.
+void AddAdminRoutes(HttpListener& admin, const std::shared_ptr<Metrics>& metrics, std::atomic<Engine*>* hooked) {
+  admin.server().Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics->Text(), "text/plain; version=0.0.4; charset=utf-8");
   });
   admin.server().Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
     res.set_content("alive\n", "text/plain; charset=utf-8");
   });
-  admin.server().Get("/readyz", [&metrics](const httplib::Request&, httplib::Response& res) {
+  admin.server().Get("/readyz", [metrics](const httplib::Request&, httplib::Response& res) {
     const bool ready = metrics->serving();
     res.status = ready ? 200 : 503;
     res.set_content(ready ? "serving\n" : "not serving\n", "text/plain; charset=utf-8");
   });
-  if (absl::GetFlag(FLAGS_enable_test_hooks)) {
-    for (const bool pause : {true, false}) {
-      admin.server().Post(pause ? "/testing/pause" : "/testing/resume",
-                          [&hooked_engine, pause](const httplib::Request&, httplib::Response& res) {
-                            Engine* e = hooked_engine.load();
-                            if (e == nullptr) {
-                              res.status = 503;
-                              return res.set_content("the model is loading\n", "text/plain; charset=utf-8");
-                            }
-                            pause ? e->Pause() : e->Resume();
-                            res.set_content(pause ? "paused\n" : "resumed\n", "text/plain; charset=utf-8");
-                          });
-    }
+  if (!absl::GetFlag(FLAGS_enable_test_hooks)) return;
+  for (const bool pause : {true, false}) {
+    admin.server().Post(pause ? "/testing/pause" : "/testing/resume",
+                        [hooked, pause](const httplib::Request&, httplib::Response& res) {
+                          Engine* e = hooked->load();
+                          if (e == nullptr) {
+                            res.status = 503;
+                            return res.set_content("the model is loading\n", "text/plain; charset=utf-8");
+                          }
+                          pause ? e->Pause() : e->Resume();
+                          res.set_content(pause ? "paused\n" : "resumed\n", "text/plain; charset=utf-8");
+                        });
   }
-  auto metrics_port = admin.Start(o.metrics_listen);
-  if (!metrics_port.ok()) return Fail(std::string(metrics_port.status().message()));
+}
 
-  HttpListener::Settings http_settings;
-  http_settings.tls_cert = o.tls_cert;
-  http_settings.tls_key = o.tls_key;
-  http_settings.tls_client_ca = o.tls_client_ca;
-  http_settings.threads = o.http_threads;
-  http_settings.max_body_bytes = o.max_message_bytes;
+HttpListener::Settings ApiListenerSettings(const Options& o) {
+  HttpListener::Settings s;
+  s.tls_cert = o.tls_cert;
+  s.tls_key = o.tls_key;
+  s.tls_client_ca = o.tls_client_ca;
+  s.threads = o.http_threads;
+  s.max_body_bytes = o.max_message_bytes;
   // A stream's write that waits this long for its reader fails, and the call is cancelled.
-  http_settings.write_timeout_seconds = o.stream_write_timeout_seconds > 0 ? o.stream_write_timeout_seconds : 1e6;
+  s.write_timeout_seconds = o.stream_write_timeout_seconds > 0 ? o.stream_write_timeout_seconds : 1e6;
   // A stalled reader is noticed after 256 KiB (the kernel doubles it), not after the megabytes an
   // auto-sized buffer grows to.
-  http_settings.send_buffer_bytes = 256 << 10;
-  HttpListener http("HTTP", http_settings);
-  OpenAiApi openai(&service, metrics.get());
-  int http_port = 0;
-  if (!o.http_listen.empty()) {
-    openai.Register(&http.server());
-    auto bound = http.Start(o.http_listen);
-    if (!bound.ok()) return Fail(std::string(bound.status().message()));
-    http_port = *bound;
-  }
+  s.send_buffer_bytes = 256 << 10;
+  return s;
+}
 
+// The engine on the model, and the start-up line's account of both.
+struct Loaded {
+  std::unique_ptr<Engine> engine;
+  std::string description;  // "model ... on DEVICE; KV cache ..."
+};
+
+absl::StatusOr<Loaded> LoadEngine(const Options& o, std::shared_ptr<EngineObserver> observer) {
   auto model = Model::Load(o.model);
-  if (!model.ok()) return Fail(absl::StrCat("cannot load model: ", model.status().message()));
+  if (!model.ok()) return absl::InvalidArgumentError(absl::StrCat("cannot load model: ", model.status().message()));
   const ModelConfig& c = (*model)->config();
   auto tokenizer = NewTokenizer(c, o.model);
-  if (!tokenizer.ok()) return Fail(std::string(tokenizer.status().message()));
+  if (!tokenizer.ok()) return tokenizer.status();
   DeviceOptions dev;
   dev.device = o.device;
   dev.kv_cache_tokens = o.kv_cache_tokens;
@@ -424,12 +430,15 @@ int Main(int argc, char** argv) {
   dev.max_step_encoder_tokens = o.max_encoder_tokens;
   dev.max_step_seqs = o.max_num_seqs;
   auto backend = NewBackend(*model, dev);
-  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+  if (!backend.ok()) return backend.status();
   const KvCacheConfig kv = (*backend)->kv_cache();
-  const std::string device_name = (*backend)->device();
-  const int64_t kv_bytes = (*backend)->memory().kv_cache;
-  const std::string weights_dtype = (*backend)->weights_dtype() + " (" + (*backend)->projections() + ")";
-  const std::string kv_dtype = (*backend)->kv_cache_dtype();
+  Loaded out;
+  out.description = absl::StrFormat(
+      "model %s from %s (%s, %lld parameters, %s, %s (%s) weights) on %s; KV cache %lld tokens (%s, %.1f MiB)", c.name,
+      o.model, SchemeName(c.rel.scheme), static_cast<long long>((*model)->num_parameters()),
+      DTypeName((*model)->file_dtype()), (*backend)->weights_dtype(), (*backend)->projections(), (*backend)->device(),
+      static_cast<long long>(int64_t{kv.num_blocks} * kv.block_size), (*backend)->kv_cache_dtype(),
+      (*backend)->memory().kv_cache / 1048576.0);
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;
@@ -438,21 +447,103 @@ int Main(int argc, char** argv) {
   ec.limits.max_new_tokens = o.max_new_tokens;
   ec.prefix_caching = o.enable_prefix_caching;
   ec.overlap_steps = o.overlap_steps;
-  ec.observer = metrics;
+  ec.observer = std::move(observer);
   auto engine = Engine::Create(*model, *std::move(backend), std::shared_ptr<const Tokenizer>(*std::move(tokenizer)), ec);
-  if (!engine.ok()) return Fail(std::string(engine.status().message()));
-  metrics->SetEngine(engine->get());
-  hooked_engine.store(engine->get());
-  service.SetEngine(engine->get());
+  if (!engine.ok()) return engine.status();
+  out.engine = *std::move(engine);
+  return out;
+}
+
+// Waits for a stop signal or the device's failure (then answers NOT_SERVING for a while). Returns
+// whether the device failed.
+bool AwaitStop(const sigset_t& signals, Engine* e, grpc::Server* server, Metrics* metrics,
+               const GenerationService& service, const Options& o) {
+  const int sig = WaitForStopSignal(signals, [e] { return !e->Failure().ok(); });
+  if (sig != 0) {
+    std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                service.in_flight(), o.drain_grace_seconds);
+    std::fflush(stdout);
+    return false;
+  }
+  // Nothing can be served any more. Say so where load balancers look, for a while, then exit.
+  server->GetHealthCheckService()->SetServingStatus(false);
+  metrics->SetServing(false);
+  const double delay = absl::GetFlag(FLAGS_device_failure_exit_delay_seconds);
+  std::printf("relgen-server: %s; health NOT_SERVING, exiting with status 3 in %.0f s\n",
+              std::string(e->Failure().message()).c_str(), delay);
+  std::fflush(stdout);
+  const absl::Time exit_at = absl::Now() + absl::Seconds(delay);
+  WaitForStopSignal(signals, [exit_at] { return absl::Now() >= exit_at; });
+  return true;
+}
+
+// Drains: no new calls, those in flight get the grace period, the rest end UNAVAILABLE.
+void Drain(grpc::Server* server, HttpListener* http, Metrics* metrics, GenerationService* service, Engine* engine,
+           std::atomic<Engine*>* hooked, const Options& o) {
+  server->GetHealthCheckService()->SetServingStatus(false);
+  metrics->SetServing(false);
+  service->StartDraining();
+  const absl::Time give_up = absl::Now() + absl::Seconds(o.drain_grace_seconds);
+  while (service->in_flight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
+  const int left = service->in_flight();
+  const absl::Time drained = absl::Now();
+  hooked->store(nullptr);
+  engine->Shutdown();  // what is left ends UNAVAILABLE, and its calls finish
+  const absl::Time calls_done_by = absl::Now() + absl::Seconds(2);
+  while (service->in_flight() > 0 && absl::Now() < calls_done_by) absl::SleepFor(absl::Milliseconds(5));
+  // Nothing of ours is left: let gRPC cancel its idle machinery at once rather than wait for it.
+  server->Shutdown(std::chrono::system_clock::now());
+  http->Stop();
+  service->SetEngine(nullptr);
+  metrics->SetEngine(nullptr);
+  std::printf("relgen-server: stopped (%d requests cut at the grace period; drain %.2f s, shutdown %.2f s)\n", left,
+              absl::ToDoubleSeconds(drained - (give_up - absl::Seconds(o.drain_grace_seconds))),
+              absl::ToDoubleSeconds(absl::Now() - drained));
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("relgen-server [--model DIR] [--listen HOST:PORT] [--metrics_listen HOST:PORT] ...");
+  if (WantsHelp(argc, argv)) {
+    PrintHelp();
+    return 0;
+  }
+  absl::ParseCommandLine(argc, argv);
+  Options o;
+  if (const int status = ReadOptions(&o); status != 0) return status;
+  const sigset_t signals = BlockStopSignals();
+  auto creds = Credentials(o);
+  if (!creds.ok()) return Fail(std::string(creds.status().message()), 2);
+
+  std::atomic<Engine*> hooked_engine{nullptr};  // for the test hooks, once it exists; outlives the admin listener
+  auto metrics = std::make_shared<Metrics>();
+  GenerationService service(o, metrics.get());
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = StartGrpc(o, *creds, &service, &port);
+  if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen + ": " + WhyNotListening(o.listen));
+  server->GetHealthCheckService()->SetServingStatus(false);
+  HttpListener admin("metrics", HttpListener::Settings{});
+  AddAdminRoutes(admin, metrics, &hooked_engine);
+  auto metrics_port = admin.Start(o.metrics_listen);
+  if (!metrics_port.ok()) return Fail(std::string(metrics_port.status().message()));
+  HttpListener http("HTTP", ApiListenerSettings(o));
+  OpenAiApi openai(&service, metrics.get());
+  int http_port = 0;
+  if (!o.http_listen.empty()) {
+    openai.Register(&http.server());
+    auto bound = http.Start(o.http_listen);
+    if (!bound.ok()) return Fail(std::string(bound.status().message()));
+    http_port = *bound;
+  }
+
+  auto loaded = LoadEngine(o, metrics);
+  if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+  Engine* const engine = loaded->engine.get();
+  metrics->SetEngine(engine);
+  hooked_engine.store(engine);
+  service.SetEngine(engine);
   server->GetHealthCheckService()->SetServingStatus(true);
   metrics->SetServing(true);
-
-  const int64_t kv_tokens = int64_t{kv.num_blocks} * kv.block_size;
-  std::printf("relgen-server: model %s from %s (%s, %lld parameters, %s, %s weights) on %s; KV cache %lld tokens (%s, %.1f MiB); "
-              "gRPC on %s%s%s; %s; metrics on %s\n",
-              c.name.c_str(), o.model.c_str(), std::string(SchemeName(c.rel.scheme)).c_str(),
-              static_cast<long long>((*model)->num_parameters()), std::string(DTypeName((*model)->file_dtype())).c_str(),
-              weights_dtype.c_str(), device_name.c_str(), static_cast<long long>(kv_tokens), kv_dtype.c_str(), kv_bytes / 1048576.0,
+  std::printf("relgen-server: %s; gRPC on %s%s%s; %s; metrics on %s\n", loaded->description.c_str(),
               WithPort(o.listen, port).c_str(),
               o.tls_cert.empty() ? "" : (o.tls_client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
               o.auth_token.empty() ? "" : " (bearer token)",
@@ -460,43 +551,8 @@ int Main(int argc, char** argv) {
               WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
 
-  Engine* const e = engine->get();
-  int sig = WaitForStopSignal(signals, [e] { return !e->Failure().ok(); });
-  const bool device_failed = sig == 0;
-  if (device_failed) {
-    // Nothing can be served any more. Say so where load balancers look, for a while, then exit.
-    server->GetHealthCheckService()->SetServingStatus(false);
-    metrics->SetServing(false);
-    const double delay = absl::GetFlag(FLAGS_device_failure_exit_delay_seconds);
-    std::printf("relgen-server: %s; health NOT_SERVING, exiting with status 3 in %.0f s\n",
-                std::string(e->Failure().message()).c_str(), delay);
-    std::fflush(stdout);
-    const absl::Time exit_at = absl::Now() + absl::Seconds(delay);
-    sig = WaitForStopSignal(signals, [exit_at] { return absl::Now() >= exit_at; });
-  } else {
-    std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                service.in_flight(), o.drain_grace_seconds);
-    std::fflush(stdout);
-  }
-  server->GetHealthCheckService()->SetServingStatus(false);
-  metrics->SetServing(false);
-  service.StartDraining();
-  const absl::Time give_up = absl::Now() + absl::Seconds(o.drain_grace_seconds);
-  while (service.in_flight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
-  const int left = service.in_flight();
-  const absl::Time drained = absl::Now();
-  hooked_engine.store(nullptr);
-  (*engine)->Shutdown();  // what is left ends UNAVAILABLE, and its calls finish
-  const absl::Time calls_done_by = absl::Now() + absl::Seconds(2);
-  while (service.in_flight() > 0 && absl::Now() < calls_done_by) absl::SleepFor(absl::Milliseconds(5));
-  // Nothing of ours is left: let gRPC cancel its idle machinery at once rather than wait for it.
-  server->Shutdown(std::chrono::system_clock::now());
-  http.Stop();
-  service.SetEngine(nullptr);
-  metrics->SetEngine(nullptr);
-  std::printf("relgen-server: stopped (%d requests cut at the grace period; drain %.2f s, shutdown %.2f s)\n", left,
-              absl::ToDoubleSeconds(drained - (give_up - absl::Seconds(o.drain_grace_seconds))),
-              absl::ToDoubleSeconds(absl::Now() - drained));
+  const bool device_failed = AwaitStop(signals, engine, server.get(), metrics.get(), service, o);
+  Drain(server.get(), &http, metrics.get(), &service, engine, &hooked_engine, o);
   return device_failed ? 3 : 0;
 }
 

@@ -681,10 +681,12 @@ std::optional<ApiError> ToRequests(const Completion& c, const Engine& engine, co
 std::optional<ApiError> Submit(const Completion& c, std::vector<Request> requests, const grpc::Status& auth,
                                const Tokenizer& tok, Call* call) {
   const bool truncate = c.base.has_truncate_prompt_tokens();
+  const double timeout_s = call->service->options().http_request_timeout_seconds;
+  const absl::Time deadline = timeout_s > 0 ? absl::Now() + absl::Seconds(timeout_s) : absl::InfiniteFuture();
   call->prompts.resize(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     PromptState& p = call->prompts[i];
-    if (absl::Status s = call->service->SubmitFromHttp(std::move(requests[i]), auth, &p.admission); !s.ok()) {
+    if (absl::Status s = call->service->SubmitFromHttp(std::move(requests[i]), auth, deadline, &p.admission); !s.ok()) {
       return FromStatus(s);
     }
     if (c.echo) {

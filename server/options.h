@@ -33,6 +33,9 @@ struct Options {
   int64_t max_message_bytes = 4 << 20;   // gRPC's own limit on a received message
   int max_concurrent_streams = 100;      // HTTP/2 streams per client connection
   double stream_write_timeout_seconds = 30;  // a stream whose reader stalls this long is cancelled
+  // An HTTP call's deadline (0: none). HTTP clients cannot send one as gRPC's do, and a unary call
+  // whose client left is noticed only when its answer is written: this bounds its work.
+  double http_request_timeout_seconds = 600;
   double drain_grace_seconds = 30;
   std::string tls_cert, tls_key;
   std::string tls_client_ca;             // set: clients must present a certificate it signed (mTLS)

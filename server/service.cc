@@ -571,14 +571,15 @@ absl::Status GenerationService::SubmitChecked(Engine* engine, Request r, absl::T
   return absl::OkStatus();
 }
 
-absl::Status GenerationService::SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out) {
+absl::Status GenerationService::SubmitFromHttp(Request checked, const grpc::Status& auth, absl::Time deadline,
+                                               Admission* out) {
   Engine* engine = engine_.load();
   if (grpc::Status s = Open(engine, auth); !s.ok()) {
     return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
   }
   TruncatePrompt(&checked);
   out->prompt = checked.prompt;
-  return SubmitChecked(engine, std::move(checked), absl::InfiniteFuture(), out);
+  return SubmitChecked(engine, std::move(checked), deadline, out);
 }
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,

@@ -58,10 +58,10 @@ class GenerationService final : public v1::GenerationService::CallbackService {
   grpc::Status Admit(grpc::CallbackServerContext* ctx, const v1::ScoreRequest& req, Admission* out);
   void Refused(const grpc::Status& status) { metrics_->OnRefused(status.error_code(), Api::kGrpc); }
   // The HTTP API's way in (server/openai_api.h): a request `checked` by ToEngineRequest, as a
-  // gRPC call's is, `auth` being the caller's verdict on the credentials; the same loading,
-  // draining and auth checks. Books nothing: the caller books its call, which may submit several
+  // gRPC call's is, `auth` being the caller's verdict on the credentials, `deadline` the call's;
+  // the same loading, draining and auth checks. Books nothing: the caller books its call, which may submit several
   // prompts. Each admission is one call in flight until CallDone.
-  absl::Status SubmitFromHttp(Request checked, const grpc::Status& auth, Admission* out);
+  absl::Status SubmitFromHttp(Request checked, const grpc::Status& auth, absl::Time deadline, Admission* out);
   void CallDone() { in_flight_.fetch_sub(1); }
   Engine* engine() const { return engine_.load(); }
   const Options& options() const { return options_; }

@@ -7,7 +7,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <functional>
+#include <future>
 #include <string>
 
 #include "nlohmann/json.hpp"
@@ -182,12 +185,14 @@ std::pair<int, json> PostCompletion(int port, const json& body) {
   return {std::stoi(raw.substr(space + 1, 3)), json::parse(raw.substr(split + 4), nullptr, false)};
 }
 
+std::string ModelName(const testing::ServerProcess& server) {
+  const std::string raw = testing::HttpGet(server.http_port(), "/v1/models");
+  return json::parse(raw.substr(raw.find("\r\n\r\n") + 4))["data"][0]["id"];
+}
+
 TEST_F(RequestChecksTest, EachBadFieldIsRefusedAlikeByBothApis) {
   auto stub = Stub(*server_);
-  const json models = json::parse(
-      testing::HttpGet(server_->http_port(), "/v1/models").substr(
-          testing::HttpGet(server_->http_port(), "/v1/models").find("\r\n\r\n") + 4));
-  const std::string model = models["data"][0]["id"];
+  const std::string model = ModelName(*server_);
   const std::vector<BadField> cases = Cases();
   EXPECT_GE(cases.size(), 40u);
   for (const BadField& c : cases) {
@@ -219,6 +224,37 @@ TEST_F(RequestChecksTest, EachBadFieldIsRefusedAlikeByBothApis) {
   const auto [status, answer] =
       PostCompletion(server_->http_port(), {{"model", model}, {"prompt", {1, 2, 3}}, {"max_tokens", 5}});
   EXPECT_EQ(status, 200) << answer.dump();
+}
+
+// An HTTP call past its deadline (--http_request_timeout_seconds) ends in the engine as a gRPC call
+// past its own does: its request is cancelled at the engine's next step, its blocks freed, and the
+// call answers 504. The engine is held (the test hook) until the call is queued, so the
+// microsecond deadline has passed before any step looks at it.
+TEST(HttpDeadlineTest, ACallPastItsDeadlineIsCancelledWithNothingLeft) {
+  auto server = StartServer({"--model", ModelDir("skew"), "--kv_cache_tokens", "8192", "--enable_test_hooks",
+                             "--http_request_timeout_seconds", "0.000001"});
+  const std::string model = ModelName(*server);
+  ASSERT_TRUE(testing::PauseEngine(server->metrics_port()));
+  const json body = {{"model", model}, {"prompt", {1, 2, 3}}, {"max_tokens", 50}, {"ignore_eos", true}};
+  auto answer = std::async(std::launch::async, [&] { return PostCompletion(server->http_port(), body); });
+  WaitForMetrics(server->metrics_port(), [](const auto& m) { return Metric(m, "relgen_num_requests_waiting") == 1; });
+  ASSERT_TRUE(testing::ResumeEngine(server->metrics_port()));
+  const auto [status, error] = answer.get();
+  EXPECT_EQ(status, 504) << error.dump();
+  EXPECT_EQ(error["error"]["message"], "deadline passed");
+  EXPECT_EQ(error["error"]["type"], "server_error");
+  const auto m = WaitForMetrics(server->metrics_port(), [](const auto& m) {
+    return Metric(m, "relgen_num_requests_running") == 0 && Metric(m, "relgen_num_requests_waiting") == 0 &&
+           Metric(m, "relgen_kv_cache_blocks{state=\"used\"}") == 0;
+  });
+  EXPECT_EQ(Metric(m, "relgen_num_requests_running"), 0);
+  EXPECT_EQ(Metric(m, "relgen_num_requests_waiting"), 0);
+  EXPECT_EQ(Metric(m, "relgen_kv_cache_blocks{state=\"used\"}"), 0);
+  // The call is no longer in flight: the server drains with nothing left.
+  server->Signal(SIGTERM);
+  std::string output;
+  EXPECT_EQ(server->Wait(&output), 0) << output;
+  EXPECT_THAT(output, ::testing::HasSubstr("draining (0 in flight"));
 }
 
 }  // namespace

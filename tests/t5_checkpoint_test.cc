@@ -503,7 +503,9 @@ TEST_F(T5EngineTest, InputAndOutputLimitsAreEachTheContext) {
   r.stop.max_new_tokens = 4;
   auto too_long = e->Submit(r);
   ASSERT_FALSE(too_long.ok());
-  EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("allowed 1.." + std::to_string(ctx)));
+  EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("prompt: the input is " + std::to_string(ctx + 1) +
+                                                                  " tokens; the model's encoder takes at most " +
+                                                                  std::to_string(ctx)));
   r.prompt.assign(ctx, 5);
   r.stop.max_new_tokens = ctx;  // input and output at the context each: allowed
   EXPECT_TRUE(e->Submit(r).ok());

@@ -30,7 +30,6 @@ struct StopCriteria {
 
 inline constexpr int kMaxSamples = 16;
 inline constexpr int kMaxContinuations = 64;
-inline constexpr int kMaxPromptLogprobs = 20;
 
 struct Request {
   std::string id;
@@ -43,7 +42,7 @@ struct Request {
   // once the first has computed the prompt, sharing its full KV blocks.
   int n = 1;
   // Log-probabilities of the prompt's tokens from the second on (the first has no context): -1
-  // none; k (0..kMaxPromptLogprobs) with the k most likely alternatives. Sample 0 delivers them,
+  // none; k (0..RequestLimits::max_logprobs) with the k most likely alternatives. Sample 0 delivers them,
   // before its first token. Decoder models only. Such a request computes its whole prompt (no
   // prefix-cache hit: a cached block has no logits).
   int prompt_logprobs = -1;

@@ -5,7 +5,8 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
-#include "engine/core/engine.h"
+#include "engine/core/request.h"
+#include "engine/model/config.h"
 
 namespace relgen {
 namespace {
