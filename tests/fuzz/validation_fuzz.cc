@@ -102,7 +102,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int32_t t : out.stop.stop_token_ids) FUZZ_CHECK(t >= 0 && t < config.vocab_size);
   FUZZ_CHECK(out.id.size() <= static_cast<size_t>(kLimits.max_request_id_bytes));
   FUZZ_CHECK(out.n >= 1 && out.n <= relgen::kMaxSamples);
-  FUZZ_CHECK(out.prompt_logprobs >= -1 && out.prompt_logprobs <= relgen::kMaxPromptLogprobs);
+  FUZZ_CHECK(out.prompt_logprobs >= -1 && out.prompt_logprobs <= kLimits.max_logprobs);
   FUZZ_CHECK(out.continuations.empty());
   if (req.truncate_prompt_tokens() > 0) FUZZ_CHECK(n <= req.truncate_prompt_tokens());
   FUZZ_CHECK(p.presence_penalty >= -2 && p.presence_penalty <= 2);
