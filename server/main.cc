@@ -43,6 +43,7 @@
 #include "server/metrics.h"
 #include "server/openai_api.h"
 #include "server/options.h"
+#include "server/request_path.h"
 #include "server/service.h"
 
 #ifndef RELGEN_SOURCE_DIR
@@ -457,11 +458,11 @@ absl::StatusOr<Loaded> LoadEngine(const Options& o, std::shared_ptr<EngineObserv
 // Waits for a stop signal or the device's failure (then answers NOT_SERVING for a while). Returns
 // whether the device failed.
 bool AwaitStop(const sigset_t& signals, Engine* e, grpc::Server* server, Metrics* metrics,
-               const GenerationService& service, const Options& o) {
+               const RequestPath& path, const Options& o) {
   const int sig = WaitForStopSignal(signals, [e] { return !e->Failure().ok(); });
   if (sig != 0) {
     std::printf("relgen-server: %s: draining (%d in flight, grace %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                service.in_flight(), o.drain_grace_seconds);
+                path.in_flight(), o.drain_grace_seconds);
     std::fflush(stdout);
     return false;
   }
@@ -478,23 +479,23 @@ bool AwaitStop(const sigset_t& signals, Engine* e, grpc::Server* server, Metrics
 }
 
 // Drains: no new calls, those in flight get the grace period, the rest end UNAVAILABLE.
-void Drain(grpc::Server* server, HttpListener* http, Metrics* metrics, GenerationService* service, Engine* engine,
+void Drain(grpc::Server* server, HttpListener* http, Metrics* metrics, RequestPath* path, Engine* engine,
            std::atomic<Engine*>* hooked, const Options& o) {
   server->GetHealthCheckService()->SetServingStatus(false);
   metrics->SetServing(false);
-  service->StartDraining();
+  path->StartDraining();
   const absl::Time give_up = absl::Now() + absl::Seconds(o.drain_grace_seconds);
-  while (service->in_flight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
-  const int left = service->in_flight();
+  while (path->in_flight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
+  const int left = path->in_flight();
   const absl::Time drained = absl::Now();
   hooked->store(nullptr);
   engine->Shutdown();  // what is left ends UNAVAILABLE, and its calls finish
   const absl::Time calls_done_by = absl::Now() + absl::Seconds(2);
-  while (service->in_flight() > 0 && absl::Now() < calls_done_by) absl::SleepFor(absl::Milliseconds(5));
+  while (path->in_flight() > 0 && absl::Now() < calls_done_by) absl::SleepFor(absl::Milliseconds(5));
   // Nothing of ours is left: let gRPC cancel its idle machinery at once rather than wait for it.
   server->Shutdown(std::chrono::system_clock::now());
   http->Stop();
-  service->SetEngine(nullptr);
+  path->SetEngine(nullptr);
   metrics->SetEngine(nullptr);
   std::printf("relgen-server: stopped (%d requests cut at the grace period; drain %.2f s, shutdown %.2f s)\n", left,
               absl::ToDoubleSeconds(drained - (give_up - absl::Seconds(o.drain_grace_seconds))),
@@ -516,7 +517,8 @@ int Main(int argc, char** argv) {
 
   std::atomic<Engine*> hooked_engine{nullptr};  // for the test hooks, once it exists; outlives the admin listener
   auto metrics = std::make_shared<Metrics>();
-  GenerationService service(o, metrics.get());
+  RequestPath path(o, metrics.get());  // both APIs' way into the engine
+  GenerationService service(&path, metrics.get());
   int port = 0;
   std::unique_ptr<grpc::Server> server = StartGrpc(o, *creds, &service, &port);
   if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen + ": " + WhyNotListening(o.listen));
@@ -526,7 +528,7 @@ int Main(int argc, char** argv) {
   auto metrics_port = admin.Start(o.metrics_listen);
   if (!metrics_port.ok()) return Fail(std::string(metrics_port.status().message()));
   HttpListener http("HTTP", ApiListenerSettings(o));
-  OpenAiApi openai(&service, metrics.get());
+  OpenAiApi openai(&path, metrics.get());
   int http_port = 0;
   if (!o.http_listen.empty()) {
     openai.Register(&http.server());
@@ -540,7 +542,7 @@ int Main(int argc, char** argv) {
   Engine* const engine = loaded->engine.get();
   metrics->SetEngine(engine);
   hooked_engine.store(engine);
-  service.SetEngine(engine);
+  path.SetEngine(engine);
   server->GetHealthCheckService()->SetServingStatus(true);
   metrics->SetServing(true);
   std::printf("relgen-server: %s; gRPC on %s%s%s; %s; metrics on %s\n", loaded->description.c_str(),
@@ -551,8 +553,8 @@ int Main(int argc, char** argv) {
               WithPort(o.metrics_listen, *metrics_port).c_str());
   std::fflush(stdout);
 
-  const bool device_failed = AwaitStop(signals, engine, server.get(), metrics.get(), service, o);
-  Drain(server.get(), &http, metrics.get(), &service, engine, &hooked_engine, o);
+  const bool device_failed = AwaitStop(signals, engine, server.get(), metrics.get(), path, o);
+  Drain(server.get(), &http, metrics.get(), &path, engine, &hooked_engine, o);
   return device_failed ? 3 : 0;
 }
 

@@ -13,7 +13,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/auth.h"
-#include "server/validation.h"
 
 namespace relgen::server {
 namespace {
@@ -451,7 +450,7 @@ class Logprobs {
 
 // One prompt's admission and what its echo needs.
 struct PromptState {
-  GenerationService::Admission admission;
+  RequestPath::Admission admission;
   std::string echo_text;
   std::vector<SampleResult> prompt_logprobs;  // sample 0 delivers them
   bool prompt_logprobs_read = false;
@@ -472,7 +471,7 @@ struct Choice {
 
 // What a call admitted: its prompts and choices, in OpenAI's order (prompt-major).
 struct Call {
-  GenerationService* service = nullptr;
+  RequestPath* path = nullptr;
   Metrics* metrics = nullptr;
   const Tokenizer* tok = nullptr;
   std::string id, model;
@@ -488,7 +487,7 @@ struct Call {
   ~Call() {
     CancelAll();  // a finished request stays as it finished
     for (PromptState& p : prompts) {
-      if (!p.admission.handles.empty()) service->CallDone();
+      if (!p.admission.handles.empty()) path->Done();
     }
   }
   void CancelAll() {
@@ -544,7 +543,7 @@ struct Call {
   }
   json Usage() const {
     int prompt_tokens = 0, completion = 0;
-    for (const PromptState& p : prompts) prompt_tokens += p.admission.prompt_tokens;
+    for (const PromptState& p : prompts) prompt_tokens += static_cast<int>(p.admission.prompt.size());
     for (const Choice& ch : choices) completion += ch.generated;
     return json{{"prompt_tokens", prompt_tokens}, {"completion_tokens", completion},
                 {"total_tokens", prompt_tokens + completion}};
@@ -577,8 +576,8 @@ struct Wakeup {
 
 }  // namespace
 
-OpenAiApi::OpenAiApi(GenerationService* service, Metrics* metrics)
-    : service_(service),
+OpenAiApi::OpenAiApi(RequestPath* path, Metrics* metrics)
+    : path_(path),
       metrics_(metrics),
       created_(std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
                    .count()) {}
@@ -604,7 +603,7 @@ void OpenAiApi::Register(httplib::Server* server) {
                    "", "not_found"};
     } else if (res.status == 413) {
       e = ApiError{grpc::StatusCode::RESOURCE_EXHAUSTED,
-                   absl::StrCat("the request body is larger than ", service_->options().max_message_bytes,
+                   absl::StrCat("the request body is larger than ", path_->options().max_message_bytes,
                                 " bytes (--max_message_bytes)"),
                    "", "request_too_large", 413};
       if (req.path == "/v1/completions") {
@@ -621,10 +620,10 @@ void OpenAiApi::Register(httplib::Server* server) {
 }
 
 void OpenAiApi::Models(const httplib::Request& req, httplib::Response& res) {
-  if (grpc::Status auth = CheckAuth(req, service_->options().auth_token); !auth.ok()) {
+  if (grpc::Status auth = CheckAuth(req, path_->options().auth_token); !auth.ok()) {
     return ReplyError(res, FromStatus(auth));
   }
-  Engine* engine = service_->engine();
+  Engine* engine = path_->engine();
   if (engine == nullptr) return ReplyError(res, ApiError{grpc::StatusCode::UNAVAILABLE, "the model is loading", "", ""});
   const ModelConfig& c = engine->model().config();
   json model{{"id", c.name}, {"object", "model"}, {"created", created_}, {"owned_by", "relgen"},
@@ -651,47 +650,37 @@ std::optional<ApiError> ReadCompletion(const httplib::Request& req, const ModelC
   return std::nullopt;
 }
 
-// One engine request per prompt, each checked before any is submitted, so a bad one in a batch
-// costs no work.
-std::optional<ApiError> ToRequests(const Completion& c, const Engine& engine, const Options& options,
-                                   std::vector<Request>* out) {
-  for (size_t i = 0; i < c.prompts.size(); ++i) {
-    v1::GenerateRequest r = c.base;
-    const Prompt& p = c.prompts[i];
+// One GenerateRequest per prompt: the request a gRPC client would send for it.
+std::vector<v1::GenerateRequest> ToRequests(const Completion& c) {
+  std::vector<v1::GenerateRequest> out;
+  for (const Prompt& p : c.prompts) {
+    v1::GenerateRequest& r = out.emplace_back(c.base);
     if (p.is_text) {
       r.set_text(p.text);
     } else {
       r.mutable_token_ids()->mutable_ids()->Add(p.ids.begin(), p.ids.end());
     }
-    Request checked;
-    absl::Status s = ToEngineRequest(r, engine.model().config(), engine.tokenizer(), options, engine.config().limits,
-                                     &checked);
-    if (s.ok()) s = engine.Check(checked);
-    if (!s.ok()) {
-      ApiError e = FromStatus(s);
-      if (c.prompts.size() > 1) e.message = absl::StrCat("prompt[", i, "]: ", e.message);
-      return e;
-    }
-    out->push_back(std::move(checked));
   }
-  return std::nullopt;
+  return out;
 }
 
-// Submits the call's requests (all or none) and lays out its choices.
-std::optional<ApiError> Submit(const Completion& c, std::vector<Request> requests, const grpc::Status& auth,
-                               const Tokenizer& tok, Call* call) {
+// A refusal by the request path; with several prompts, the one refused is named.
+ApiError Refusal(const absl::Status& s, int refused, size_t prompts) {
+  ApiError e = FromStatus(s);
+  if (refused >= 0 && prompts > 1) e.message = absl::StrCat("prompt[", refused, "]: ", e.message);
+  return e;
+}
+
+// Lays out the call's choices over what the path admitted, one admission per prompt.
+void LayOut(const Completion& c, std::vector<RequestPath::Admission> admitted, Call* call) {
   const bool truncate = c.base.has_truncate_prompt_tokens();
-  const double timeout_s = call->service->options().http_request_timeout_seconds;
-  const absl::Time deadline = timeout_s > 0 ? absl::Now() + absl::Seconds(timeout_s) : absl::InfiniteFuture();
-  call->prompts.resize(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) {
+  call->prompts.resize(admitted.size());
+  for (size_t i = 0; i < admitted.size(); ++i) {
     PromptState& p = call->prompts[i];
-    if (absl::Status s = call->service->SubmitFromHttp(std::move(requests[i]), auth, deadline, &p.admission); !s.ok()) {
-      return FromStatus(s);
-    }
+    p.admission = std::move(admitted[i]);
     if (c.echo) {
       // The prompt as given; a truncated one (truncate_prompt_tokens) as kept.
-      p.echo_text = c.prompts[i].is_text && !truncate ? c.prompts[i].text : tok.Decode(p.admission.prompt);
+      p.echo_text = c.prompts[i].is_text && !truncate ? c.prompts[i].text : call->tok->Decode(p.admission.prompt);
     }
     for (size_t j = 0; j < p.admission.handles.size(); ++j) {
       Choice ch;
@@ -699,12 +688,11 @@ std::optional<ApiError> Submit(const Completion& c, std::vector<Request> request
       ch.prompt = static_cast<int>(i);
       ch.sample = static_cast<int>(j);
       ch.handle = p.admission.handles[j];
-      ch.logprobs = std::make_unique<Logprobs>(&tok);
+      ch.logprobs = std::make_unique<Logprobs>(call->tok);
       call->choices.push_back(std::move(ch));
     }
   }
   call->id = "cmpl-" + call->prompts[0].admission.request_id;
-  return std::nullopt;
 }
 
 void ReplyUnary(Call& call, httplib::Response& res) {
@@ -804,22 +792,29 @@ class StreamWriter {
 }  // namespace
 
 void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res) {
-  metrics_->OnReceived(Api::kHttp);
-  auto refuse = [&](const ApiError& e) {
-    metrics_->OnRejected(e.code, Api::kHttp);
-    ReplyError(res, e);
-  };
-  const grpc::Status auth = CheckAuth(req, service_->options().auth_token);
-  if (!auth.ok()) return refuse(FromStatus(auth));
-  Engine* engine = service_->engine();
-  if (engine == nullptr) return refuse(ApiError{grpc::StatusCode::UNAVAILABLE, "the model is loading", "", ""});
+  const Options& o = path_->options();
+  RequestPath::Caller caller;
+  caller.api = Api::kHttp;
+  caller.auth = CheckAuth(req, o.auth_token);
+  if (o.http_request_timeout_seconds > 0) caller.deadline = absl::Now() + absl::Seconds(o.http_request_timeout_seconds);
   Completion c;
-  if (auto e = ReadCompletion(req, engine->model().config(), &c)) return refuse(*e);
-  std::vector<Request> requests;
-  if (auto e = ToRequests(c, *engine, service_->options(), &requests)) return refuse(*e);
+  const Engine* engine = nullptr;
+  std::optional<ApiError> bad_body;  // the body's own refusal, with OpenAI's param and code
+  auto read = [&](const Engine& served, std::vector<v1::GenerateRequest>* requests) {
+    engine = &served;
+    bad_body = ReadCompletion(req, served.model().config(), &c);
+    if (bad_body) return absl::Status(static_cast<absl::StatusCode>(bad_body->code), bad_body->message);
+    *requests = ToRequests(c);
+    return absl::OkStatus();
+  };
+  std::vector<RequestPath::Admission> admitted;
+  int refused = -1;
+  if (absl::Status s = path_->Admit(read, caller, &admitted, &refused); !s.ok()) {
+    return ReplyError(res, bad_body ? *bad_body : Refusal(s, refused, c.prompts.size()));
+  }
 
   auto call = std::make_shared<Call>();
-  call->service = service_;
+  call->path = path_;
   call->metrics = metrics_;
   call->tok = &engine->tokenizer();
   call->model = c.model;
@@ -828,12 +823,9 @@ void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res)
   call->echo = c.echo;
   call->logprobs = c.logprobs;
   call->include_usage = c.include_usage;
-  if (auto e = Submit(c, std::move(requests), auth, engine->tokenizer(), call.get())) {
-    call.reset();  // cancels what was admitted
-    return refuse(*e);
-  }
+  LayOut(c, std::move(admitted), call.get());
   if (!c.stream) return ReplyUnary(*call, res);
-  auto writer = std::make_shared<StreamWriter>(call, service_->options().stream_write_timeout_seconds, metrics_);
+  auto writer = std::make_shared<StreamWriter>(call, o.stream_write_timeout_seconds, metrics_);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream", [writer](size_t, httplib::DataSink& sink) { return writer->Poll(sink); },

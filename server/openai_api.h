@@ -1,8 +1,9 @@
 // The OpenAI-compatible HTTP API (docs/operations.md, "HTTP API"): POST /v1/completions (unary
 // and server-sent events), GET /v1/models, and a 404 for /v1/chat/completions (no chat templates).
-// A completion builds the same GenerateRequest a gRPC client would send and goes through the
-// service's checks and submission, so validation, limits and the engine's books are shared; calls
-// are booked with api="http". Errors answer OpenAI's shape {"error": {message, type, param, code}}
+// A completion's JSON becomes the GenerateRequests a gRPC client would send (one per prompt; type
+// checks only) and enters the engine through the same request path as a gRPC call
+// (server/request_path.h), so admission, validation, limits and the books are shared; calls are
+// booked with api="http". Errors answer OpenAI's shape {"error": {message, type, param, code}}
 // with the HTTP status its clients expect.
 //
 // A handler runs on the listener's thread for the whole call. A stream writes each chunk as the
@@ -15,13 +16,13 @@
 
 #include "server/metrics.h"
 #include "server/options.h"
-#include "server/service.h"
+#include "server/request_path.h"
 
 namespace relgen::server {
 
 class OpenAiApi {
  public:
-  OpenAiApi(GenerationService* service, Metrics* metrics);
+  OpenAiApi(RequestPath* path, Metrics* metrics);
   // Adds the API's routes, and a JSON error body for every error status without one.
   void Register(httplib::Server* server);
 
@@ -29,7 +30,7 @@ class OpenAiApi {
   void Completions(const httplib::Request& req, httplib::Response& res);
   void Models(const httplib::Request& req, httplib::Response& res);
 
-  GenerationService* service_;
+  RequestPath* path_;
   Metrics* metrics_;
   const int64_t created_;  // the model's "created" time: the server's start
 };

@@ -2,41 +2,14 @@
 
 #include <algorithm>
 #include <mutex>
-#include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "server/auth.h"
-#include "server/validation.h"
 
 namespace relgen::server {
 namespace {
-
-grpc::StatusCode ToGrpc(absl::StatusCode c) {
-  switch (c) {
-    case absl::StatusCode::kInvalidArgument: return grpc::StatusCode::INVALID_ARGUMENT;
-    case absl::StatusCode::kResourceExhausted: return grpc::StatusCode::RESOURCE_EXHAUSTED;
-    case absl::StatusCode::kUnavailable: return grpc::StatusCode::UNAVAILABLE;
-    case absl::StatusCode::kDeadlineExceeded: return grpc::StatusCode::DEADLINE_EXCEEDED;
-    case absl::StatusCode::kCancelled: return grpc::StatusCode::CANCELLED;
-    default: return grpc::StatusCode::INTERNAL;
-  }
-}
-
-}  // namespace
-
-grpc::Status ToGrpcStatus(const absl::Status& s) {
-  return s.ok() ? grpc::Status::OK : grpc::Status(ToGrpc(s.code()), std::string(s.message()));
-}
-
-namespace {
-
-std::string NewRequestId() {
-  static thread_local std::mt19937_64 rng(std::random_device{}());
-  return absl::StrFormat("%016x", rng());
-}
 
 void FillInfos(const std::vector<SampleResult>& results, const Tokenizer& tok,
                google::protobuf::RepeatedPtrField<v1::TokenInfo>* infos) {
@@ -369,11 +342,11 @@ class StreamCall final : public Call<StreamCall, grpc::ServerWriteReactor<v1::Ge
 
 class ScoreCall final : public Call<ScoreCall, grpc::ServerUnaryReactor> {
  public:
-  ScoreCall(GenerationService* service, grpc::CallbackServerContext* ctx, GenerationService::Admission admission,
+  ScoreCall(GenerationService* service, grpc::CallbackServerContext* ctx, RequestPath::Admission admission,
             v1::ScoreResponse* resp)
       : Call(service, ctx, std::move(admission.handles)),
         resp_(resp),
-        prompt_tokens_(admission.prompt_tokens),
+        prompt_tokens_(static_cast<int>(admission.prompt.size())),
         continuations_(std::move(admission.continuations)),
         scores_(handles_.size()) {
     Arm();
@@ -440,32 +413,14 @@ v1::FinishReason ToProto(FinishReason r) {
   }
 }
 
-grpc::Status FinalStatus(const Output& o) {
-  switch (o.finish_reason) {
-    case FinishReason::kLength:
-    case FinishReason::kStop:
-    case FinishReason::kEos:
-      return grpc::Status::OK;
-    case FinishReason::kDeadline:
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed");
-    case FinishReason::kCancelled:
-      if (o.status.code() == absl::StatusCode::kUnavailable) {
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(o.status.message()));
-      }
-      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-    default:  // kError: INTERNAL, or UNAVAILABLE once the device failed
-      return grpc::Status(ToGrpc(o.status.code()), std::string(o.status.message()));
-  }
-}
-
 int64_t SteadyNanos() {
   const int64_t t = std::chrono::duration_cast<std::chrono::nanoseconds>(
                         std::chrono::steady_clock::now().time_since_epoch()).count();
   return t == 0 ? 1 : t;
 }
 
-GenerationService::GenerationService(const Options& options, Metrics* metrics)
-    : options_(options), metrics_(metrics) {
+GenerationService::GenerationService(RequestPath* path, Metrics* metrics)
+    : path_(path), options_(path->options()), metrics_(metrics) {
   if (options_.stream_write_timeout_seconds > 0) watchdog_ = std::thread([this] { WatchdogLoop(); });
 }
 
@@ -512,80 +467,18 @@ void GenerationService::WatchdogLoop() {
   }
 }
 
-grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req,
-                                      Admission* out) {
-  metrics_->OnReceived(Api::kGrpc);
-  const grpc::Status s = Submit(ctx, req, out);
-  if (!s.ok()) metrics_->OnRejected(s.error_code(), Api::kGrpc);
-  return s;
-}
-
-grpc::Status GenerationService::Admit(grpc::CallbackServerContext* ctx, const v1::ScoreRequest& req,
-                                      Admission* out) {
-  metrics_->OnReceived(Api::kGrpc);
-  const grpc::Status s = Submit(ctx, req, out);
-  if (!s.ok()) metrics_->OnRejected(s.error_code(), Api::kGrpc);
-  return s;
-}
-
-template <typename Req>
-grpc::Status GenerationService::Submit(grpc::CallbackServerContext* ctx, const Req& req, Admission* out) {
-  const absl::Time deadline = ctx->deadline() != std::chrono::system_clock::time_point::max()
-                                  ? absl::FromChrono(ctx->deadline())
-                                  : absl::InfiniteFuture();
-  return Submit(req, deadline, CheckBearerToken(ctx->client_metadata(), options_.auth_token), out);
-}
-
-template <typename Req>
-grpc::Status GenerationService::Submit(const Req& req, absl::Time deadline, const grpc::Status& auth,
-                                       Admission* out) {
-  Engine* engine = engine_.load();
-  if (grpc::Status s = Open(engine, auth); !s.ok()) return s;
-  Request r;
-  absl::Status s = ToEngineRequest(req, engine->model().config(), engine->tokenizer(), options_,
-                                   engine->config().limits, &r);
-  if (s.ok()) {
-    out->continuations = r.continuations;
-    s = SubmitChecked(engine, std::move(r), deadline, out);
-  }
-  return ToGrpcStatus(s);
-}
-
-grpc::Status GenerationService::Open(Engine* engine, const grpc::Status& auth) const {
-  if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading");
-  if (draining_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is draining");
-  return auth;
-}
-
-absl::Status GenerationService::SubmitChecked(Engine* engine, Request r, absl::Time deadline, Admission* out) {
-  if (r.id.empty()) r.id = NewRequestId();
-  TruncatePrompt(&r);  // the prompt as the engine keeps it: its count, and HTTP's echo
-  out->request_id = r.id;
-  out->prompt_tokens = static_cast<int>(r.prompt.size());
-  r.deadline = deadline;
-  auto h = engine->SubmitGroup(std::move(r));
-  if (!h.ok()) return h.status();
-  if (h->empty()) return absl::InternalError("the engine returned no request handle");
-  out->handles = *std::move(h);
-  in_flight_.fetch_add(1);
-  return absl::OkStatus();
-}
-
-absl::Status GenerationService::SubmitFromHttp(Request checked, const grpc::Status& auth, absl::Time deadline,
-                                               Admission* out) {
-  Engine* engine = engine_.load();
-  if (grpc::Status s = Open(engine, auth); !s.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-  }
-  TruncatePrompt(&checked);
-  out->prompt = checked.prompt;
-  return SubmitChecked(engine, std::move(checked), deadline, out);
+RequestPath::Caller GenerationService::CallerOf(grpc::CallbackServerContext* ctx) const {
+  RequestPath::Caller caller;
+  caller.api = Api::kGrpc;
+  caller.auth = CheckBearerToken(ctx->client_metadata(), options_.auth_token);
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) caller.deadline = absl::FromChrono(ctx->deadline());
+  return caller;
 }
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* ctx,
                                                       const v1::GenerateRequest* req, v1::GenerateResponse* resp) {
-  Admission a;
-  const grpc::Status s = Admit(ctx, *req, &a);
+  RequestPath::Admission a;
+  const grpc::Status s = ToGrpcStatus(path_->Admit(*req, CallerOf(ctx), &a));
   if (!s.ok()) {
     auto* r = ctx->DefaultReactor();
     r->Finish(s);
@@ -597,8 +490,8 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
 
 grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::GenerateStream(
     grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
-  Admission a;
-  const grpc::Status s = Admit(ctx, *req, &a);
+  RequestPath::Admission a;
+  const grpc::Status s = ToGrpcStatus(path_->Admit(*req, CallerOf(ctx), &a));
   if (!s.ok()) {
     class Refuse final : public grpc::ServerWriteReactor<v1::GenerateStreamResponse> {
      public:
@@ -612,8 +505,8 @@ grpc::ServerWriteReactor<v1::GenerateStreamResponse>* GenerationService::Generat
 
 grpc::ServerUnaryReactor* GenerationService::Score(grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
                                                    v1::ScoreResponse* resp) {
-  Admission a;
-  const grpc::Status s = Admit(ctx, *req, &a);
+  RequestPath::Admission a;
+  const grpc::Status s = ToGrpcStatus(path_->Admit(*req, CallerOf(ctx), &a));
   if (!s.ok()) {
     auto* r = ctx->DefaultReactor();
     r->Finish(s);
@@ -626,7 +519,7 @@ grpc::ServerUnaryReactor* GenerationService::Score(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* ctx,
                                                           const v1::GetModelInfoRequest*, v1::ModelInfo* info) {
   auto* r = ctx->DefaultReactor();
-  Engine* engine = engine_.load();
+  Engine* engine = path_->engine();
   if (engine == nullptr) {
     r->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is loading"));
     return r;

@@ -559,6 +559,15 @@ class BearerTokenTest(OpenAIApiTestCase):
             response = http.post("/v1/completions", json={"model": "engine-skew", "prompt": "relgen", "max_tokens": 4})
             self.assert_raw_error(response, 401)
 
+    def test_an_unauthenticated_body_is_not_read(self):
+        # The request path reads a completion's body only once the caller may be served: a body
+        # that is not JSON, or names another model, is answered 401, never with what is wrong in it.
+        with httpx.Client(base_url=f"http://{self.server.http}", timeout=60) as http:
+            for body in (b"{not json", b'{"model": "another-model", "prompt": "relgen"}'):
+                response = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+                error = self.assert_raw_error(response, 401)
+                self.assertIsNone(error["param"], response.text)
+
 
 class QueueAndDrainTest(OpenAIApiTestCase):
     """429 when the queue is full and 503 while draining, each state made with the server's test hooks

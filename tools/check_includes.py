@@ -68,11 +68,7 @@ RULES = (
 
 # Temporary exceptions: (including file, included path, rule) and why. Each is code another change
 # is moving; the check fails once an exception matches nothing, so the entry goes with the fix.
-EXCEPTIONS = {
-    # Issue 49's one request path removes HTTP's side door into GenerationService (SubmitFromHttp).
-    ("server/openai_api.h", "server/service.h", "http-grpc-apart"):
-        "OpenAiApi calls GenerationService::SubmitFromHttp until both APIs share one request path",
-}
+EXCEPTIONS = {}
 
 
 @dataclass(frozen=True)
