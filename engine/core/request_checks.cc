@@ -5,6 +5,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "engine/core/kv_cache.h"
 #include "engine/core/request.h"
 #include "engine/model/config.h"
 
