@@ -56,7 +56,7 @@ struct BackendInfo {
   std::string device;  // "cpu", or "cuda:N"
   // The paged KV pool the backend allocated at creation.
   KvCacheConfig kv_cache;
-  // Now: the activations' buffers grow with the largest step so far.
+  // As of the call: the activations' buffers grow with the largest step so far.
   BackendMemory memory;
   // What the backend computes from: "f32", "bf16" or "int8" weights; "f32" or "bf16" K/V.
   std::string weights_dtype;
@@ -86,7 +86,7 @@ class Backend {
   // Launch does it all, so launching the next step before collecting gains nothing.
   virtual bool asynchronous() const { return false; }
   // Non-OK once the device can run nothing more (a GPU's asynchronous fault leaves its context
-  // broken until the process ends): every later Launch would fail. Asked after a failed Launch.
+  // broken until the process ends): every later Launch would fail. Asked after a failed Launch or Collect.
   virtual absl::Status Broken() const { return absl::OkStatus(); }
 };
 
