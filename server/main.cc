@@ -432,14 +432,15 @@ absl::StatusOr<Loaded> LoadEngine(const Options& o, std::shared_ptr<EngineObserv
   dev.max_step_seqs = o.max_num_seqs;
   auto backend = NewBackend(*model, dev);
   if (!backend.ok()) return backend.status();
-  const KvCacheConfig kv = (*backend)->kv_cache();
+  const BackendInfo info = (*backend)->Describe();
+  const KvCacheConfig& kv = info.kv_cache;
   Loaded out;
   out.description = absl::StrFormat(
       "model %s from %s (%s, %lld parameters, %s, %s (%s) weights) on %s; KV cache %lld tokens (%s, %.1f MiB)", c.name,
       o.model, SchemeName(c.rel.scheme), static_cast<long long>((*model)->num_parameters()),
-      DTypeName((*model)->file_dtype()), (*backend)->weights_dtype(), (*backend)->projections(), (*backend)->device(),
-      static_cast<long long>(int64_t{kv.num_blocks} * kv.block_size), (*backend)->kv_cache_dtype(),
-      (*backend)->memory().kv_cache / 1048576.0);
+      DTypeName((*model)->file_dtype()), info.weights_dtype, info.projections, info.device,
+      static_cast<long long>(int64_t{kv.num_blocks} * kv.block_size), info.kv_cache_dtype,
+      info.memory.kv_cache / 1048576.0);
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
   ec.scheduler.max_batch_tokens = o.max_batch_tokens;

@@ -20,6 +20,7 @@
 #include "engine/backends/cpu_backend.h"
 #include "engine/backends/cuda_backend.h"
 #include "engine/backends/device.h"
+#include "engine/backends/step_sync.h"
 #include "engine/core/engine.h"
 #include "engine/tokenizers/tokenizer.h"
 #include "kernels/cpu/attention.h"
@@ -318,7 +319,7 @@ std::vector<float> ForwardInChunks(Backend& backend, const std::vector<int32_t>&
   for (int pos = 0; pos < len; pos += chunk) {
     const int n = std::min(chunk, len - pos);
     SequenceStep s{absl::MakeConstSpan(tokens).subspan(pos, n), pos, table, true};
-    EXPECT_TRUE(backend.Forward({&s, 1}, &part).ok());
+    EXPECT_TRUE(ForwardLogits(backend, {&s, 1}, &part).ok());
     all.insert(all.end(), part.begin(), part.end());
   }
   return all;
@@ -680,7 +681,7 @@ TEST_P(CudaT5Test, MatchesTransformers) {
     const int n = static_cast<int>(inputs.size()), per_input = rows / n, bs = 16;
     std::vector<std::vector<int32_t>> dec(n), self(n), cross(n);
     std::vector<SequenceStep> batch(n);
-    int next_block = (*stepwise_backend)->kv_cache().num_blocks - 1;
+    int next_block = (*stepwise_backend)->Describe().kv_cache.num_blocks - 1;
     for (int i = 0; i < n; ++i) {
       dec[i] = {start, inputs[i].greedy[0]};
       self[i] = {next_block--};
@@ -694,13 +695,13 @@ TEST_P(CudaT5Test, MatchesTransformers) {
       batch[i].cross_block_table = cross[i];
     }
     std::vector<float> first, second;
-    ASSERT_TRUE((*stepwise_backend)->Forward(batch, &first).ok());
+    ASSERT_TRUE(ForwardLogits(**stepwise_backend, batch, &first).ok());
     for (int i = 0; i < n; ++i) {
       batch[i].tokens = absl::MakeConstSpan(dec[i]).subspan(1, 1);
       batch[i].start_pos = 1;
       batch[i].encoder_tokens = {};
     }
-    ASSERT_TRUE((*stepwise_backend)->Forward(batch, &second).ok());
+    ASSERT_TRUE(ForwardLogits(**stepwise_backend, batch, &second).ok());
     ASSERT_EQ(first.size(), size_t{static_cast<size_t>(n)} * vocab);
     ASSERT_EQ(second.size(), first.size());
     for (int i = 0; i < n; ++i) {
@@ -1935,7 +1936,7 @@ void ExpectLaunchAheadEqualsOneAtATime(const std::function<std::unique_ptr<Backe
   std::vector<std::vector<SampleResult>> want(kSteps);
   for (int step = 0; step < kSteps; ++step) {
     build(step, seq_alone, false, &steps, &queries);
-    ASSERT_TRUE(alone->ForwardSample(steps, queries, &want[step]).ok());
+    ASSERT_TRUE(RunStep(*alone, steps, queries, &want[step]).ok());
     ASSERT_EQ(want[step].size(), static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) seq_alone[i].push_back(want[step][i].token);
   }
@@ -2009,8 +2010,8 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     o.kv_cache_tokens = 1024;
     auto backend = NewBackend(model, o);
     ASSERT_TRUE(backend.ok()) << device << ": " << backend.status();
-    EXPECT_EQ((*backend)->name(), "cuda");
-    EXPECT_EQ((*backend)->device(), "simt-emulator:0") << device;
+    EXPECT_EQ((*backend)->Describe().name, "cuda");
+    EXPECT_EQ((*backend)->Describe().device, "simt-emulator:0") << device;
   }
   EXPECT_FALSE(NewBackend(model, DeviceOptions{"cuda:1", 1024}).ok());
   // int8 weights are the CPU's alone; bf16 weights go through any of the three projection paths.
@@ -2024,8 +2025,8 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     o.cuda_gemm = "cublas";
     const auto taken = NewBackend(model, o);
     ASSERT_TRUE(taken.ok()) << taken.status();
-    EXPECT_EQ((*taken)->weights_dtype(), "bf16");
-    EXPECT_EQ((*taken)->projections(), "cublas bf16 tensor-core projections, not batch invariant");
+    EXPECT_EQ((*taken)->Describe().weights_dtype, "bf16");
+    EXPECT_EQ((*taken)->Describe().projections, "cublas bf16 tensor-core projections, not batch invariant");
     DeviceOptions bad_split{"cuda", 1024};
     bad_split.cuda_split_keys = 0;
     const auto refused3 = NewBackend(model, bad_split);
@@ -2044,7 +2045,7 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
       auto backend = NewBackend(model, o);
       ASSERT_TRUE(backend.ok()) << backend.status();
       SequenceStep s{prompt, 0, table, false};
-      ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits[i]).ok());
+      ASSERT_TRUE(ForwardLogits(**backend, {&s, 1}, &logits[i]).ok());
     }
     ASSERT_EQ(logits[0].size(), logits[1].size());
     for (size_t i = 0; i < logits[0].size(); ++i) ASSERT_NEAR(logits[0][i], logits[1][i], 1e-4) << i;
@@ -2060,7 +2061,7 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
       o.weights_dtype = i == 0 ? "f32" : "bf16";
       auto backend = NewBackend(model, o);
       ASSERT_TRUE(backend.ok()) << backend.status();
-      weights[i] = (*backend)->memory().weights;
+      weights[i] = (*backend)->Describe().memory.weights;
     }
     const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim, vd = int64_t{c.vocab_size} * d;
     const int64_t projections = c.n_layers * (4 * w * d + (c.ffn_gated ? 3 : 2) * f * d);
@@ -2073,8 +2074,8 @@ TEST(CudaEmulatorTest, ReportsEmulatedDevice) {
     o.kv_cache_dtype = i == 0 ? "f32" : "bf16";
     auto backend = NewBackend(model, o);
     ASSERT_TRUE(backend.ok()) << backend.status();
-    EXPECT_EQ(int64_t{(*backend)->kv_cache().num_blocks} * (*backend)->kv_cache().block_size, 1024);
-    bytes[i] = (*backend)->memory().kv_cache;
+    EXPECT_EQ(int64_t{(*backend)->Describe().kv_cache.num_blocks} * (*backend)->Describe().kv_cache.block_size, 1024);
+    bytes[i] = (*backend)->Describe().memory.kv_cache;
   }
   const ModelConfig& c = model->config();
   EXPECT_EQ(bytes[0], 1024 * CudaKvBytesPerToken(c));
@@ -2106,20 +2107,20 @@ TEST(CudaEmulatorTest, AllocatesNothingAfterStart) {
   simt::ResetCounters();
   // A whole step of one prompt's rows, every row's logits kept (prompt_logprobs / Score).
   SequenceStep all{span(0, 48), 0, tables[0], true};
-  ASSERT_TRUE((*backend)->Forward({&all, 1}, &logits).ok());
+  ASSERT_TRUE(ForwardLogits(**backend, {&all, 1}, &logits).ok());
   EXPECT_EQ(logits.size(), size_t{48} * c.vocab_size);
   // A chunk of another prompt beside three decodes; then decode steps of 1..4 sequences, twice.
   std::vector<SequenceStep> mixed = {{span(48, 1), 48, tables[0], false},
                                      {span(0, 45), 0, tables[1], true},
                                      {span(10, 1), 0, tables[2], false},
                                      {span(11, 1), 0, tables[3], false}};
-  ASSERT_TRUE((*backend)->Forward(mixed, &logits).ok());
+  ASSERT_TRUE(ForwardLogits(**backend, mixed, &logits).ok());
   std::vector<int> pos = {49, 45, 1, 1};
   for (int round = 0; round < 2; ++round) {
     for (int n = 1; n <= 4; ++n) {
       std::vector<SequenceStep> steps;
       for (int s = 0; s < n; ++s) steps.push_back({span(pos[s], 1), pos[s], tables[s], false});
-      ASSERT_TRUE((*backend)->Forward(steps, &logits).ok());
+      ASSERT_TRUE(ForwardLogits(**backend, steps, &logits).ok());
       for (int s = 0; s < n; ++s) ++pos[s];
       // A decode graph is captured once per batch size, in the first round only.
       if (round == 1) EXPECT_EQ(simt::GetCounters().captured, 0) << n << " rows";
@@ -2150,7 +2151,7 @@ TEST(CudaEmulatorTest, CountsWork) {
     const std::vector<int32_t> table = {3, 1};
     SequenceStep s{tokens, 0, table, false};
     std::vector<float> logits;
-    ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+    ASSERT_TRUE(ForwardLogits(**backend, {&s, 1}, &logits).ok());
     const simt::Counters n = simt::GetCounters();
     // Every projection and the LM head: a cuBLAS GEMM, or none of them.
     EXPECT_EQ(n.gemms, cublas ? c.n_layers * (4 + (c.ffn_gated ? 3 : 2)) + 1 : 0);
@@ -2199,7 +2200,7 @@ TEST(CudaEmulatorTest, DecodeStepCopiesBackOnlyTheAnswers) {
     queries[i].history = prompts[i];
   }
   std::vector<SampleResult> first;
-  ASSERT_TRUE((*backend)->ForwardSample(prefill, queries, &first).ok());
+  ASSERT_TRUE(RunStep(**backend, prefill, queries, &first).ok());
   ASSERT_EQ(first.size(), prompts.size());
   // The decode step: each sequence's sampled token at its next position.
   std::vector<std::vector<int32_t>> next(prompts.size());
@@ -2210,7 +2211,7 @@ TEST(CudaEmulatorTest, DecodeStepCopiesBackOnlyTheAnswers) {
   }
   simt::ResetCounters();
   std::vector<SampleResult> answers;
-  ASSERT_TRUE((*backend)->ForwardSample(decode, queries, &answers).ok());
+  ASSERT_TRUE(RunStep(**backend, decode, queries, &answers).ok());
   const simt::Counters n = simt::GetCounters();
   EXPECT_EQ(n.copies_d2h, 1);
   EXPECT_EQ(n.bytes_d2h, static_cast<int64_t>(prompts.size() * sizeof(cuda::DeviceAnswer)));
@@ -2223,8 +2224,8 @@ TEST(CudaEmulatorTest, DecodeStepCopiesBackOnlyTheAnswers) {
   auto twin = NewCudaBackend(model, o);
   ASSERT_TRUE(twin.ok());
   std::vector<float> logits;
-  ASSERT_TRUE((*twin)->Forward(prefill, &logits).ok());
-  ASSERT_TRUE((*twin)->Forward(decode, &logits).ok());
+  ASSERT_TRUE(ForwardLogits(**twin, prefill, &logits).ok());
+  ASSERT_TRUE(ForwardLogits(**twin, decode, &logits).ok());
   std::vector<SampleResult> host;
   AnswerQueries(logits.data(), c.vocab_size, queries, &host);
   ASSERT_EQ(answers.size(), host.size());
@@ -2268,10 +2269,10 @@ TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
   auto both = [&](std::vector<SequenceStep> steps, simt::Counters* graphed_counts, simt::Counters* direct_counts) {
     std::vector<float> x, y;
     simt::ResetCounters();
-    ASSERT_TRUE((*graphed)->Forward(steps, &x).ok());
+    ASSERT_TRUE(ForwardLogits(**graphed, steps, &x).ok());
     *graphed_counts = simt::GetCounters();
     simt::ResetCounters();
-    ASSERT_TRUE((*direct)->Forward(steps, &y).ok());
+    ASSERT_TRUE(ForwardLogits(**direct, steps, &y).ok());
     *direct_counts = simt::GetCounters();
     ASSERT_EQ(x.size(), y.size());
     EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << "graph replay changed the logits";
@@ -2316,10 +2317,10 @@ TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
   ASSERT_TRUE(cublas.ok()) << cublas.status();
   std::vector<float> x;
   SequenceStep prefill{absl::MakeConstSpan(a).subspan(0, len_a), 0, table_a, false};
-  ASSERT_TRUE((*cublas)->Forward({&prefill, 1}, &x).ok());
+  ASSERT_TRUE(ForwardLogits(**cublas, {&prefill, 1}, &x).ok());
   simt::ResetCounters();
   SequenceStep step{absl::MakeConstSpan(a).subspan(len_a, 1), len_a, table_a, false};
-  ASSERT_TRUE((*cublas)->Forward({&step, 1}, &x).ok());
+  ASSERT_TRUE(ForwardLogits(**cublas, {&step, 1}, &x).ok());
   const simt::Counters n = simt::GetCounters();
   EXPECT_EQ(n.host_launches, 1 + 12 * c.n_layers + 3);
   EXPECT_EQ(n.launches + n.gemms - n.host_launches, 2 * c.n_layers);
@@ -2334,19 +2335,19 @@ TEST(CudaEmulatorTest, DecodeStepIsOneGraphLaunchWithTheSameBits) {
   auto direct16 = NewCudaBackend(model, bf16_direct);
   auto graphed16 = NewCudaBackend(model, bf16_graphed);
   ASSERT_TRUE(direct16.ok() && graphed16.ok()) << direct16.status() << graphed16.status();
-  EXPECT_EQ((*graphed16)->projections(), "cublas bf16 tensor-core projections, not batch invariant");
+  EXPECT_EQ((*graphed16)->Describe().projections, "cublas bf16 tensor-core projections, not batch invariant");
   std::vector<float> p16, q16;
-  ASSERT_TRUE((*direct16)->Forward({&prefill, 1}, &p16).ok());
-  ASSERT_TRUE((*graphed16)->Forward({&prefill, 1}, &q16).ok());
+  ASSERT_TRUE(ForwardLogits(**direct16, {&prefill, 1}, &p16).ok());
+  ASSERT_TRUE(ForwardLogits(**graphed16, {&prefill, 1}, &q16).ok());
   for (int i = 0; i < 3; ++i) {
     SequenceStep st{absl::MakeConstSpan(a).subspan(len_a + i, 1), len_a + i, table_a, false};
     simt::ResetCounters();
-    ASSERT_TRUE((*direct16)->Forward({&st, 1}, &p16).ok());
+    ASSERT_TRUE(ForwardLogits(**direct16, {&st, 1}, &p16).ok());
     const simt::Counters k = simt::GetCounters();
     EXPECT_EQ(k.host_launches, 1 + 16 * c.n_layers + 4) << "step " << i;
     EXPECT_EQ(k.gemms, 6 * c.n_layers + 1) << "step " << i;  // q, k, v (three), output, up, down; the head
     simt::ResetCounters();
-    ASSERT_TRUE((*graphed16)->Forward({&st, 1}, &q16).ok());
+    ASSERT_TRUE(ForwardLogits(**graphed16, {&st, 1}, &q16).ok());
     const simt::Counters gr = simt::GetCounters();
     EXPECT_EQ(gr.host_launches, 1) << "step " << i;
     EXPECT_EQ(gr.graph_launches, 1) << "step " << i;
@@ -2381,14 +2382,14 @@ TEST(CudaEmulatorTest, DecodeRowsPastTheLargestStepReplayTheSameBits) {
   std::vector<float> x, y;
   for (int i = 0; i < n; ++i) {  // prompts of 3 tokens, one at a time (the largest step)
     SequenceStep s{absl::MakeConstSpan(tokens[i]).subspan(0, 3), 0, tables[i], false};
-    ASSERT_TRUE((*graphed)->Forward({&s, 1}, &x).ok());
-    ASSERT_TRUE((*direct)->Forward({&s, 1}, &y).ok());
+    ASSERT_TRUE(ForwardLogits(**graphed, {&s, 1}, &x).ok());
+    ASSERT_TRUE(ForwardLogits(**direct, {&s, 1}, &y).ok());
   }
   for (int pos = 3; pos < 5; ++pos) {
     std::vector<SequenceStep> steps;
     for (int i = 0; i < n; ++i) steps.push_back({absl::MakeConstSpan(tokens[i]).subspan(pos, 1), pos, tables[i], false});
-    ASSERT_TRUE((*graphed)->Forward(steps, &x).ok()) << pos;
-    ASSERT_TRUE((*direct)->Forward(steps, &y).ok()) << pos;
+    ASSERT_TRUE(ForwardLogits(**graphed, steps, &x).ok()) << pos;
+    ASSERT_TRUE(ForwardLogits(**direct, steps, &y).ok()) << pos;
     ASSERT_EQ(x.size(), y.size());
     EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << "position " << pos;
   }
@@ -2425,7 +2426,7 @@ TEST(CudaEmulatorTest, T5CountsWorkAndReturnsMemory) {
     s.encoder_len = static_cast<int>(input.size());
     s.cross_block_table = cross;
     std::vector<float> logits;
-    ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+    ASSERT_TRUE(ForwardLogits(**backend, {&s, 1}, &logits).ok());
     const int64_t decoder = c.n_layers * (4 + 2 + ffn) + 1;  // self q/k/v/o, cross q/o, FFN; lm_head
     simt::Counters n = simt::GetCounters();
     EXPECT_EQ(n.gemms, cublas ? c.n_encoder_layers * (4 + ffn) + 2 * c.n_layers + decoder : 0);
@@ -2436,16 +2437,16 @@ TEST(CudaEmulatorTest, T5CountsWorkAndReturnsMemory) {
     s.tokens = absl::MakeConstSpan(dec).subspan(1, 1);
     s.start_pos = 1;
     s.encoder_tokens = {};
-    ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+    ASSERT_TRUE(ForwardLogits(**backend, {&s, 1}, &logits).ok());
     n = simt::GetCounters();
     EXPECT_EQ(n.gemms, cublas ? decoder : 0) << "a decode step encodes nothing";
     EXPECT_EQ(n.launch_errors, 0);
     // An input without cross blocks for its K/V: refused, and the backend stays usable.
     s.cross_block_table = {};
-    EXPECT_EQ((*backend)->Forward({&s, 1}, &logits).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ForwardLogits(**backend, {&s, 1}, &logits).code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE((*backend)->Broken().ok());
     s.cross_block_table = cross;
-    EXPECT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+    EXPECT_TRUE(ForwardLogits(**backend, {&s, 1}, &logits).ok());
   }
   EXPECT_EQ(simt::GetCounters().bytes_in_use, before);
   const int64_t limit = simt::MemoryLimit();
@@ -2483,11 +2484,11 @@ TEST(CudaEmulatorTest, OutOfDeviceMemory) {
   SequenceStep s{tokens, 0, table, false};
   std::vector<float> logits;
   simt::SetMemoryLimit(simt::GetCounters().bytes_in_use);
-  const absl::Status failed = (*small)->Forward({&s, 1}, &logits);
+  const absl::Status failed = ForwardLogits(**small, {&s, 1}, &logits);
   simt::SetMemoryLimit(limit);
   EXPECT_NE(failed.message().find("out of memory"), std::string::npos) << failed;
   EXPECT_TRUE((*small)->Broken().ok()) << "out of memory is not a broken device";
-  const absl::Status next = (*small)->Forward({&s, 1}, &logits);
+  const absl::Status next = ForwardLogits(**small, {&s, 1}, &logits);
   EXPECT_TRUE(next.ok()) << next;
 }
 
@@ -2523,7 +2524,7 @@ TEST(CudaEmulatorTest, PoolByFractionLeavesRoomForTheLargestStep) {
   {
     auto backend = NewCudaBackend(model, o);
     ASSERT_TRUE(backend.ok()) << backend.status();
-    const BackendMemory m = (*backend)->memory();
+    const BackendMemory m = (*backend)->Describe().memory;
     EXPECT_GT(m.activations, 0);
     // The pool has what the step buffers and the headroom leave, to within the fraction and a block.
     EXPECT_GE(m.kv_cache, static_cast<int64_t>(0.97 * (room - m.activations - o.headroom_bytes)));
@@ -2533,9 +2534,9 @@ TEST(CudaEmulatorTest, PoolByFractionLeavesRoomForTheLargestStep) {
     for (int b = 0; b * o.block_size < o.max_step_tokens; ++b) table.push_back(b);
     SequenceStep s{tokens, 0, table, false};
     std::vector<float> logits;
-    const absl::Status st = (*backend)->Forward({&s, 1}, &logits);
+    const absl::Status st = ForwardLogits(**backend, {&s, 1}, &logits);
     EXPECT_TRUE(st.ok()) << st;
-    EXPECT_EQ((*backend)->memory().activations, m.activations) << "a step grew the buffers";
+    EXPECT_EQ((*backend)->Describe().memory.activations, m.activations) << "a step grew the buffers";
   }
   // Where the weights and the largest step do not fit, the start fails and says why.
   simt::SetMemoryLimit(before + model->float_bytes() + (64 << 10));
@@ -2560,13 +2561,13 @@ TEST(CudaEmulatorTest, DeviceFaultBreaksTheBackend) {
   const std::vector<int32_t> tokens = {1, 2, 3}, table = {0};
   SequenceStep s{tokens, 0, table, false};
   std::vector<float> logits;
-  ASSERT_TRUE((*backend)->Forward({&s, 1}, &logits).ok());
+  ASSERT_TRUE(ForwardLogits(**backend, {&s, 1}, &logits).ok());
   EXPECT_TRUE((*backend)->Broken().ok());
   simt::FaultAtLaunch(1);
-  EXPECT_FALSE((*backend)->Forward({&s, 1}, &logits).ok());
+  EXPECT_FALSE(ForwardLogits(**backend, {&s, 1}, &logits).ok());
   EXPECT_NE((*backend)->Broken().message().find("an illegal memory access"), std::string::npos)
       << (*backend)->Broken();
-  EXPECT_FALSE((*backend)->Forward({&s, 1}, &logits).ok());
+  EXPECT_FALSE(ForwardLogits(**backend, {&s, 1}, &logits).ok());
   simt::ResetDevice();
 }
 
@@ -2612,7 +2613,7 @@ TEST(CudaEmulatorTest, WeightsAreOnTheDeviceBeforeTheFirstForward) {
   const std::vector<int32_t> tokens = {1, 2, 3}, table = {0};
   SequenceStep s{tokens, 0, table, false};
   std::vector<float> logits;
-  const absl::Status st = (*backend)->Forward({&s, 1}, &logits);
+  const absl::Status st = ForwardLogits(**backend, {&s, 1}, &logits);
   EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(simt::GetCounters().stream_hazards, 0) << simt::LastFault();
   if (!simt::LastFault().empty()) simt::ResetDevice();  // keep the process usable for later tests

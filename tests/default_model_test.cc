@@ -9,6 +9,7 @@
 #include <regex>
 
 #include "engine/backends/cpu_backend.h"
+#include "engine/backends/step_sync.h"
 #include "engine/core/engine.h"
 #include "relgen/v1/generation.grpc.pb.h"
 #include "tests/server_process.h"
@@ -62,7 +63,7 @@ TEST(DefaultModelTest, GreedyAndLogitsEqualPyTorch) {
   for (int b = 0; b < 16; ++b) table[b] = b;
   std::vector<float> logits;
   SequenceStep step{seq, 0, table, true};
-  ASSERT_TRUE(backend->Forward({&step, 1}, &logits).ok());
+  ASSERT_TRUE(ForwardLogits(*backend, {&step, 1}, &logits).ok());
   const int vocab = (*model)->config().vocab_size;
   std::vector<double> flat;
   for (const auto& row : want) flat.insert(flat.end(), row.begin(), row.end());

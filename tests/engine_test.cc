@@ -17,6 +17,7 @@
 
 #include "engine/backends/cpu_backend.h"
 #include "engine/backends/device.h"
+#include "engine/backends/step_sync.h"
 #include "engine/core/engine.h"
 #include "tests/test_util.h"
 
@@ -329,22 +330,13 @@ TEST(EngineCancelTest, RandomMomentsWhileRunning) {
 // ---- overlapped steps
 
 // The CPU backend presented as asynchronous, so the engine launches each step before landing the
-// one before it (the backend's default Launch takes the fed tokens from the draws it holds). The
+// one before it (the CPU backend's Launch takes the fed tokens from the draws it holds). The
 // test can hold a Collect until it lets it go.
 // A backend that hands everything to another; tests override what they watch.
 class WrappedBackend : public Backend {
  public:
   explicit WrappedBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
-  absl::string_view name() const override { return inner_->name(); }
-  std::string device() const override { return inner_->device(); }
-  BackendMemory memory() const override { return inner_->memory(); }
-  std::string weights_dtype() const override { return inner_->weights_dtype(); }
-  std::string projections() const override { return inner_->projections(); }
-  std::string kv_cache_dtype() const override { return inner_->kv_cache_dtype(); }
-  const KvCacheConfig& kv_cache() const override { return inner_->kv_cache(); }
-  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override {
-    return inner_->Forward(steps, logits);
-  }
+  BackendInfo Describe() const override { return inner_->Describe(); }
   absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
     return inner_->Launch(steps, queries);
   }
@@ -798,8 +790,8 @@ TEST(DeviceKvTypeTest, Bf16HalvesTheCache) {
     o.kv_cache_dtype = t;
     auto backend = NewBackend(model, o);
     ASSERT_TRUE(backend.ok()) << t << ": " << backend.status();
-    EXPECT_EQ((*backend)->kv_cache().num_blocks, 64) << t;
-    bytes[t] = (*backend)->memory().kv_cache;
+    EXPECT_EQ((*backend)->Describe().kv_cache.num_blocks, 64) << t;
+    bytes[t] = (*backend)->Describe().memory.kv_cache;
   }
   EXPECT_EQ(bytes["f32"], 1024 * 1024);
   EXPECT_EQ(bytes["bf16"], 512 * 1024);
@@ -816,7 +808,7 @@ TEST(DeviceWeightsTest, CpuStoresTheAskedType) {
     o.weights_dtype = t;
     auto backend = NewBackend(model, o);
     ASSERT_TRUE(backend.ok()) << t << ": " << backend.status();
-    weights[t] = (*backend)->memory().weights;
+    weights[t] = (*backend)->Describe().memory.weights;
   }
   // The packed copies shrink by 2x and 4x (the small tensors and the stored embedding, counted in
   // each, stay); int8 adds 8 bytes per output (scale and offset), 3% of this model's 64-wide rows.
@@ -838,11 +830,11 @@ TEST(DeviceWeightsTest, AutoFollowsTheCheckpointsType) {
     o.kv_cache_tokens = 1024;
     auto backend = NewBackend(model, o);
     ASSERT_TRUE(backend.ok()) << backend.status();
-    EXPECT_EQ((*backend)->weights_dtype(), expected) << name;
-    EXPECT_EQ((*backend)->kv_cache_dtype(), expected) << name;
+    EXPECT_EQ((*backend)->Describe().weights_dtype, expected) << name;
+    EXPECT_EQ((*backend)->Describe().kv_cache_dtype, expected) << name;
     o.weights_dtype = "f32";
     o.kv_cache_dtype = "f32";
-    EXPECT_EQ((*NewBackend(model, o))->weights_dtype(), "f32") << name;
+    EXPECT_EQ((*NewBackend(model, o))->Describe().weights_dtype, "f32") << name;
   }
 }
 
@@ -870,7 +862,7 @@ TEST(DeviceWeightsTest, Bf16ActivationsTakeEffectAndStayBatchInvariant) {
   const std::vector<int32_t> table_a = {0, 1, 2}, table_b = {3, 4};
   auto logits = [&](Backend& be, std::vector<SequenceStep> steps) {
     std::vector<float> out;
-    EXPECT_TRUE(be.Forward(steps, &out).ok());
+    EXPECT_TRUE(ForwardLogits(be, steps, &out).ok());
     return out;
   };
   auto rounded = make("bf16");

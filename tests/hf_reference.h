@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/backends/backend.h"
+#include "engine/backends/step_sync.h"
 #include "engine/model/safetensors.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -65,7 +66,7 @@ inline std::vector<HfPrompt> ReadHfReference(const nlohmann::json& c) {
 // block table). Returns the logits of every prompt position and every decoded one (empty after a
 // failure, which it reports).
 inline std::vector<float> TeacherForcedHf(Backend& backend, const HfPrompt& p, int max_new, const std::string& what) {
-  const int block = backend.kv_cache().block_size;
+  const int block = backend.Describe().kv_cache.block_size;
   const int new_tokens = std::min<int>(max_new, static_cast<int>(p.greedy.size()));
   std::vector<int32_t> seq = p.prompt;
   seq.insert(seq.end(), p.greedy.begin(), p.greedy.begin() + new_tokens);
@@ -75,13 +76,13 @@ inline std::vector<float> TeacherForcedHf(Backend& backend, const HfPrompt& p, i
   std::vector<float> all, part;
   const int n = static_cast<int>(p.prompt.size());
   SequenceStep s{absl::MakeConstSpan(seq).subspan(0, n), 0, table, true};
-  if (!backend.Forward({&s, 1}, &all).ok()) {
+  if (!ForwardLogits(backend, {&s, 1}, &all).ok()) {
     ADD_FAILURE() << what << ": the prefill failed";
     return {};
   }
   for (int t = 0; t + 1 < new_tokens; ++t) {
     SequenceStep d{absl::MakeConstSpan(seq).subspan(n + t, 1), n + t, table, false};
-    if (!backend.Forward({&d, 1}, &part).ok()) {
+    if (!ForwardLogits(backend, {&d, 1}, &part).ok()) {
       ADD_FAILURE() << what << ": decode step " << t << " failed";
       return {};
     }

@@ -73,13 +73,13 @@ TEST(MemoryTest, CpuPeakIsTheStoredSizeNotItsFloat32Widening) {
   o.max_step_tokens = 64;
   auto backend = NewBackend(*model, o);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  EXPECT_EQ((*backend)->weights_dtype(), "bf16");
+  EXPECT_EQ((*backend)->Describe().weights_dtype, "bf16");
   const int64_t peak = StatusBytes("VmHWM") - before, now = StatusBytes("VmRSS") - before;
   std::printf("stored %.1f MiB, largest matrix %.1f MiB; peak RSS +%.1f MiB, after start +%.1f MiB\n", stored / 1048576.0,
               LargestMatrix(**model) / 1048576.0, peak / 1048576.0, now / 1048576.0);
   // The packed bf16 copy is the stored size (a tied head's too); while one matrix is packed its
   // stored pages are resident beside it. A float32 widening alone would be 2x the stored size.
-  const int64_t packed = (*backend)->memory().weights - (*model)->embed().bytes() - (*model)->small_bytes();
+  const int64_t packed = (*backend)->Describe().memory.weights - (*model)->embed().bytes() - (*model)->small_bytes();
   EXPECT_LE(peak, packed + LargestMatrix(**model) + (*model)->small_bytes() + kMargin);
   EXPECT_LE(peak, stored + LargestMatrix(**model) + kMargin);
   EXPECT_LT(peak, 2 * stored);

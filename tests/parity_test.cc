@@ -9,6 +9,7 @@
 #include "engine/backends/backend.h"
 #include "engine/core/kv_cache.h"
 #include "engine/backends/cpu_backend.h"
+#include "engine/backends/step_sync.h"
 #include "engine/model/model.h"
 #include "engine/model/safetensors.h"
 #include "tests/test_util.h"
@@ -75,7 +76,7 @@ class ParityTest : public ::testing::TestWithParam<std::string> {
       step.start_pos = static_cast<int>(pos);
       step.block_table = table;
       step.all_logits = true;
-      const absl::Status s = backend_->Forward({&step, 1}, &part);
+      const absl::Status s = ForwardLogits(*backend_, {&step, 1}, &part);
       EXPECT_TRUE(s.ok()) << s;
       all.insert(all.end(), part.begin(), part.end());
       pos += n;
@@ -148,7 +149,7 @@ TEST_P(ParityTest, MixedBatchMatchesReference) {
       steps.push_back(st);
       which.push_back(static_cast<int>(s));
     }
-    ASSERT_TRUE(backend_->Forward(steps, &logits).ok());
+    ASSERT_TRUE(ForwardLogits(*backend_, steps, &logits).ok());
     size_t off = 0;
     for (size_t i = 0; i < steps.size(); ++i) {
       const size_t n = steps[i].tokens.size() * vocab;

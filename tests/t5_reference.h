@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/backends/backend.h"
+#include "engine/backends/step_sync.h"
 #include "engine/model/safetensors.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -71,19 +72,19 @@ inline std::vector<T5Input> ReadT5Reference(const nlohmann::json& c) {
 // reports).
 inline std::vector<float> TeacherForcedT5(Backend& backend, const T5Input& p, int decoder_start, bool chunked,
                                           int max_new, const std::string& what) {
-  const int block = backend.kv_cache().block_size;
+  const int block = backend.Describe().kv_cache.block_size;
   const int new_tokens = std::min<int>(max_new, static_cast<int>(p.greedy.size()));
   std::vector<int32_t> dec = {decoder_start};
   dec.insert(dec.end(), p.greedy.begin(), p.greedy.begin() + new_tokens - 1);
   const int n = static_cast<int>(p.input.size());
   const int self_blocks = (new_tokens + block - 1) / block, cross_blocks = (n + block - 1) / block;
-  if (self_blocks + cross_blocks > backend.kv_cache().num_blocks) {
+  if (self_blocks + cross_blocks > backend.Describe().kv_cache.num_blocks) {
     ADD_FAILURE() << what << ": the pool is too small";
     return {};
   }
   // Interleaved, from the top of the pool down: neither table is contiguous.
   std::vector<int32_t> self, cross;
-  for (int b = backend.kv_cache().num_blocks - 1; static_cast<int>(self.size() + cross.size()) <
+  for (int b = backend.Describe().kv_cache.num_blocks - 1; static_cast<int>(self.size() + cross.size()) <
                                                     self_blocks + cross_blocks; --b) {
     ((b % 2 == 0 && static_cast<int>(self.size()) < self_blocks) || static_cast<int>(cross.size()) == cross_blocks
          ? self
@@ -97,7 +98,7 @@ inline std::vector<float> TeacherForcedT5(Backend& backend, const T5Input& p, in
   s.encoder_tokens = p.input;
   s.encoder_len = n;
   s.cross_block_table = cross;
-  if (!backend.Forward({&s, 1}, &all).ok()) {
+  if (!ForwardLogits(backend, {&s, 1}, &all).ok()) {
     ADD_FAILURE() << what << ": the encoding step failed";
     return {};
   }
@@ -106,7 +107,7 @@ inline std::vector<float> TeacherForcedT5(Backend& backend, const T5Input& p, in
     s.tokens = absl::MakeConstSpan(dec).subspan(1);
     s.start_pos = 1;
     s.all_logits = true;
-    if (!backend.Forward({&s, 1}, &part).ok()) {
+    if (!ForwardLogits(backend, {&s, 1}, &part).ok()) {
       ADD_FAILURE() << what << ": the chunk failed";
       return {};
     }
@@ -115,7 +116,7 @@ inline std::vector<float> TeacherForcedT5(Backend& backend, const T5Input& p, in
   for (int t = 1; !chunked && t < new_tokens; ++t) {
     s.tokens = absl::MakeConstSpan(dec).subspan(t, 1);
     s.start_pos = t;
-    if (!backend.Forward({&s, 1}, &part).ok()) {
+    if (!ForwardLogits(backend, {&s, 1}, &part).ok()) {
       ADD_FAILURE() << what << ": decode step " << t << " failed";
       return {};
     }

@@ -3,10 +3,8 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -49,60 +47,47 @@ struct BackendMemory {
 absl::Status ValidateSteps(absl::Span<const SequenceStep> steps, int vocab_size, int max_seq_len,
                            const KvCacheConfig& kv, bool encoder_decoder = false);
 
-// Logits rows a Forward over `steps` writes.
+// Logits rows a step over `steps` computes (the rows its queries name).
 int RowsOf(absl::Span<const SequenceStep> steps);
+
+// What a backend is and holds, for the startup line, the stats and the metrics.
+struct BackendInfo {
+  std::string name;    // "cpu" or "cuda"
+  std::string device;  // "cpu", or "cuda:N"
+  // The paged KV pool the backend allocated at creation.
+  KvCacheConfig kv_cache;
+  // As of the call: the activations' buffers grow with the largest step so far.
+  BackendMemory memory;
+  // What the backend computes from: "f32", "bf16" or "int8" weights; "f32" or "bf16" K/V.
+  std::string weights_dtype;
+  std::string kv_cache_dtype;
+  // How the projections multiply, for the startup line: e.g. "avx512-vnni int8 dot products",
+  // "invariant projections".
+  std::string projections;
+  // Whether a row's logits are the same bits whatever rows share its step (every backend but cuBLAS's
+  // projections, which pick their algorithm by the problem's shape).
+  bool batch_invariant = true;
+};
 
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual absl::string_view name() const = 0;
-  // "cpu", or "cuda:N".
-  virtual std::string device() const = 0;
-  virtual BackendMemory memory() const = 0;
-  // What the backend computes from: "f32", "bf16" or "int8" weights; "f32" or "bf16" K/V.
-  virtual std::string weights_dtype() const = 0;
-  virtual std::string kv_cache_dtype() const = 0;
-  // How the projections multiply, for the startup line: e.g. "avx512-vnni int8 dot products",
-  // "invariant projections".
-  virtual std::string projections() const = 0;
-  // Whether a row's logits are the same bits whatever rows share its step (every backend but cuBLAS's
-  // projections, which pick their algorithm by the problem's shape).
-  virtual bool batch_invariant() const { return true; }
-  // The paged KV pool the backend allocated at creation.
-  virtual const KvCacheConfig& kv_cache() const = 0;
+  virtual BackendInfo Describe() const = 0;
   // Runs the decoder over every step's tokens (one batch), writes their K/V into the pool and
-  // writes logits [rows, vocab_size] to `logits`, rows in step order (all tokens or last only).
-  // A prompt, a chunk of a prompt and a single decode token are all steps.
-  virtual absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) = 0;
-  // Starts Forward over `steps` and answering `queries` from its rows (drawn tokens, given
-  // tokens' log-probabilities; sampler.h); Collect returns the answers, in query order. Only the
-  // answers leave the backend. Launch reads `steps` and `queries` only before it returns. A step may
-  // be launched before the previous one is collected (at most two outstanding; its fed tokens come
+  // answers `queries` from the logits rows, rows in step order (all tokens or last only; RowsOf):
+  // drawn tokens, given tokens' log-probabilities (sampler.h); Collect returns the answers, in query
+  // order. A prompt, a chunk of a prompt and a single decode token are all steps. Only the answers
+  // leave the backend. Launch reads `steps` and `queries` only before it returns. A step may be
+  // launched before the previous one is collected (at most two outstanding; its fed tokens come
   // from that one); Collect answers the oldest outstanding launch.
-  // The default runs everything in Launch, answering on the calling thread (or row_parallel()).
-  virtual absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries);
-  virtual absl::Status Collect(std::vector<SampleResult>* results);
+  virtual absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) = 0;
+  virtual absl::Status Collect(std::vector<SampleResult>* results) = 0;
   // Whether Launch returns before its work is done (a device's stream). A synchronous backend's
   // Launch does it all, so launching the next step before collecting gains nothing.
   virtual bool asynchronous() const { return false; }
-  // Launch, then Collect.
-  absl::Status ForwardSample(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries,
-                             std::vector<SampleResult>* results);
   // Non-OK once the device can run nothing more (a GPU's asynchronous fault leaves its context
-  // broken until the process ends): every later Forward would fail. Asked after a failed Forward.
+  // broken until the process ends): every later Launch would fail. Asked after a failed Launch or Collect.
   virtual absl::Status Broken() const { return absl::OkStatus(); }
-
- protected:
-  // How the default Launch spreads the answering over rows (null: in order on the calling thread).
-  virtual ParallelFor row_parallel() { return nullptr; }
-
- private:
-  // The default Launch's state: the logits rows, the answers not yet collected (oldest first), the
-  // last launch's drawn tokens (what the next one's fed tokens are), and fed copies of the inputs.
-  std::vector<float> answer_logits_;
-  std::deque<std::vector<SampleResult>> outstanding_;
-  std::vector<int32_t> last_draws_;
-  std::deque<std::vector<int32_t>> fed_tokens_;  // stable: spans point into them
 };
 
 }  // namespace relgen

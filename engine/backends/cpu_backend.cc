@@ -12,6 +12,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/backends/host_launch.h"
+#include "engine/backends/step_sync.h"
 #include "engine/backends/walk_decoder.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/bf16.h"
@@ -69,7 +71,7 @@ void EmbedRows(const StoredMatrix& table, const int32_t* ids, int n, float scale
   }
 }
 
-class CpuBackend final : public Backend {
+class CpuBackend final : public Backend, public LogitsForward {
  public:
   CpuBackend(std::shared_ptr<const Model> model, KvCacheConfig kv, int threads, cpu::WeightType wt,
              cpu::KvType kv_type, ProjectionInputs inputs)
@@ -148,17 +150,30 @@ class CpuBackend final : public Backend {
 
   // False when the pool's address space could not be had.
   bool pool_ok() const { return pool_ok_; }
-  absl::string_view name() const override { return "cpu"; }
-
-  const KvCacheConfig& kv_cache() const override { return kv_; }
-  std::string device() const override { return "cpu"; }
-  std::string weights_dtype() const override { return cpu::WeightTypeName(weight_type_); }
-  std::string kv_cache_dtype() const override { return cpu::KvTypeName(kv_type_); }
-  // What this CPU's features picked.
-  std::string projections() const override {
-    return bf16_dot_ ? cpu::Bf16DotPathName() : cpu::GemmPathName(weight_type_, bf16_activations_);
+  BackendInfo Describe() const override {
+    BackendInfo info;
+    info.name = "cpu";
+    info.device = "cpu";
+    info.kv_cache = kv_;
+    info.memory = Memory();
+    info.weights_dtype = cpu::WeightTypeName(weight_type_);
+    info.kv_cache_dtype = cpu::KvTypeName(kv_type_);
+    // What this CPU's features picked.
+    info.projections = bf16_dot_ ? cpu::Bf16DotPathName() : cpu::GemmPathName(weight_type_, bf16_activations_);
+    return info;
   }
-  BackendMemory memory() const override {
+
+  // The whole step runs here; the answers are drawn on the worker threads, a range of queries each.
+  absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override {
+    auto forward = [this](absl::Span<const SequenceStep> s, std::vector<float>* logits) { return Forward(s, logits); };
+    return launch_.Launch(forward, steps, queries,
+                          [this](int n, const std::function<void(int, int)>& fn) { pool_.ParallelFor(n, fn); });
+  }
+  absl::Status Collect(std::vector<SampleResult>* results) override { return launch_.Collect(results); }
+  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
+
+ private:
+  BackendMemory Memory() const {
     BackendMemory m;
     // The embedding is read as stored, a row per token; the small tensors were widened at load.
     m.weights = model_->small_bytes() + model_->embed().bytes() + lm_head_.bytes();
@@ -176,14 +191,6 @@ class CpuBackend final : public Backend {
     return m;
   }
 
-  absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
- protected:
-  // Answers the rows on the worker threads, a range of queries each.
-  ParallelFor row_parallel() override {
-    return [this](int n, const std::function<void(int, int)>& fn) { pool_.ParallelFor(n, fn); };
-  }
-
- private:
   // fn(begin, end) over row ranges, on the pool when there is enough work to pay for the hand-off.
   // Row-wise and element-wise kernels give the same bits however the rows are split.
   void Rows(int rows, int64_t row_elems, const std::function<void(int, int)>& fn) {
@@ -274,6 +281,7 @@ class CpuBackend final : public Backend {
   cpu::RelativeParams cross_rel_;  // cross-attention has no relative term
   // Activations, reused across calls: [tokens, width]; the encoder's own K/V (not cached).
   std::vector<float> x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, enc_k_, enc_v_;
+  HostLaunch launch_;
 };
 
 CpuBackend::Buffers CpuBackend::Size(int total) {

@@ -176,7 +176,7 @@ absl::Status CudaBackend::Forward(absl::Span<const SequenceStep> steps, std::vec
     // out-of-memory or a refused launch does not.
     cudaGetLastError();
     if (const cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
-      broken_ = absl::InternalError(absl::StrCat(device(), ": ", cudaGetErrorString(e)));
+      broken_ = absl::InternalError(absl::StrCat(DeviceName(), ": ", cudaGetErrorString(e)));
     }
   }
   return st;
@@ -192,7 +192,7 @@ absl::Status CudaBackend::Launch(absl::Span<const SequenceStep> steps, absl::Spa
   if (!st.ok()) {
     cudaGetLastError();
     if (const cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
-      broken_ = absl::InternalError(absl::StrCat(device(), ": ", cudaGetErrorString(e)));
+      broken_ = absl::InternalError(absl::StrCat(DeviceName(), ": ", cudaGetErrorString(e)));
     }
     return st;
   }

@@ -1,7 +1,7 @@
 // CUDA backend: the decoder forward on one GPU, float32 (weights and the K/V cache float32 or bf16), with the
 // kernels of kernels/cuda (the projections through cuda::Linear, or cuBLAS: CudaOptions). Built
 // where nvcc is found (RELGEN_WITH_CUDA), and in test trees against relgen's SIMT emulator
-// (tests/simt), where device() reports "simt-emulator:N".
+// (tests/simt), where Describe().device is "simt-emulator:N".
 #pragma once
 
 #include <memory>

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/backends/cuda_backend.h"
+#include "engine/backends/step_sync.h"
 #include "kernels/thread_pool.h"
 #include "kernels/cuda/decoder_kernels.h"
 #include "kernels/cuda/sampler_kernels.h"
@@ -97,7 +98,7 @@ struct DeviceLayer {
   cuda::Relative rel;           // the self-attention's relative term
 };
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public Backend, public LogitsForward {
  public:
   CudaBackend(std::shared_ptr<const Model> model, const CudaOptions& o)
       : model_(std::move(model)), options_(o), kv_{o.block_size, o.num_blocks}, device_(o.device) {}
@@ -106,33 +107,31 @@ class CudaBackend final : public Backend {
 
   absl::Status Init();
 
-  absl::string_view name() const override { return "cuda"; }
-#if defined(RELGEN_SIMT_EMULATOR)
-  // Built against the SIMT emulator's cuda_runtime.h (tests/simt, test-only): say so.
-  std::string device() const override { return absl::StrCat("simt-emulator:", device_); }
-#else
-  std::string device() const override { return absl::StrCat("cuda:", device_); }
-#endif
-  std::string weights_dtype() const override { return WeightTypeName(options_.weight_type); }
-  std::string kv_cache_dtype() const override { return KvTypeName(options_.kv_type); }
-  std::string projections() const override {
-    if (options_.tensor_cores) return "mma projections";
-    if (CublasBf16()) return "cublas bf16 tensor-core projections, not batch invariant";
-    if (options_.cublas_gemms) return "cublas float32 projections, not batch invariant";
-    return "invariant projections";
-  }
-  bool batch_invariant() const override { return !options_.cublas_gemms; }
-  const KvCacheConfig& kv_cache() const override { return kv_; }
-  BackendMemory memory() const override {
-    BackendMemory m;
-    m.weights = weight_bytes_;
-    m.kv_cache = kv_bytes_;
+  BackendInfo Describe() const override {
+    BackendInfo info;
+    info.name = "cuda";
+    info.device = DeviceName();
+    info.kv_cache = kv_;
+    info.memory.weights = weight_bytes_;
+    info.memory.kv_cache = kv_bytes_;
     for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_, &sample_, &x16_,
                                   &cublas_workspace_,
                                   &slots_[0].answers, &slots_[1].answers}) {
-      m.activations += static_cast<int64_t>(b->bytes);
+      info.memory.activations += static_cast<int64_t>(b->bytes);
     }
-    return m;
+    info.weights_dtype = WeightTypeName(options_.weight_type);
+    info.kv_cache_dtype = KvTypeName(options_.kv_type);
+    if (options_.tensor_cores) {
+      info.projections = "mma projections";
+    } else if (CublasBf16()) {
+      info.projections = "cublas bf16 tensor-core projections, not batch invariant";
+    } else if (options_.cublas_gemms) {
+      info.projections = "cublas float32 projections, not batch invariant";
+    } else {
+      info.projections = "invariant projections";
+    }
+    info.batch_invariant = !options_.cublas_gemms;
+    return info;
   }
 
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
@@ -145,6 +144,12 @@ class CudaBackend final : public Backend {
   absl::Status Broken() const override { return broken_; }
 
  private:
+#if defined(RELGEN_SIMT_EMULATOR)
+  // Built against the SIMT emulator's cuda_runtime.h (tests/simt, test-only): say so.
+  std::string DeviceName() const { return absl::StrCat("simt-emulator:", device_); }
+#else
+  std::string DeviceName() const { return absl::StrCat("cuda:", device_); }
+#endif
   // Enqueues the step; with `logits`, copies its rows' logits there and waits.
   absl::Status RunSteps(absl::Span<const SequenceStep> steps, std::vector<float>* logits);
   // Enqueues the answers to `queries` from the kept rows, and their copy into the launch's slot.

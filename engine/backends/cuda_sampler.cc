@@ -144,7 +144,7 @@ absl::Status CudaBackend::Collect(std::vector<SampleResult>* results) {
   if (!broken_.ok()) return broken_;
   if (const cudaError_t e = cudaEventSynchronize(answered_[k]); e != cudaSuccess) {
     cudaGetLastError();
-    broken_ = absl::InternalError(absl::StrCat(device(), ": ", cudaGetErrorString(e)));
+    broken_ = absl::InternalError(absl::StrCat(DeviceName(), ": ", cudaGetErrorString(e)));
     return broken_;
   }
   const Slot& slot = slots_[k];

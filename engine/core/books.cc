@@ -122,6 +122,8 @@ void Engine::Account(const StepBatch* landed) {
   int parked = static_cast<int>(orphans_.size());
   for (const auto& s : running_) parked += static_cast<int>(s->followers.size());
   for (const auto& s : waiting_) parked += static_cast<int>(s->followers.size());
+  // Asked each step, and outside the lock: the activations' buffers grow with the steps.
+  const BackendMemory memory = backend_->Describe().memory;
   std::unique_lock<std::mutex> lock(mu_);
   for (const auto& s : inbox_) parked += static_cast<int>(s->followers.size());
   queued_ = static_cast<int>(inbox_.size() + waiting_.size()) + parked;
@@ -141,7 +143,7 @@ void Engine::Account(const StepBatch* landed) {
     stats_.prompt_tokens += landed->prefill_tokens;
     stats_.encoder_tokens += landed->encoder_tokens;
   }
-  stats_.memory = backend_->memory();
+  stats_.memory = memory;
 }
 
 }  // namespace relgen

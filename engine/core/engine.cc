@@ -18,15 +18,16 @@ Engine::Engine(std::shared_ptr<const Model> model, std::unique_ptr<Backend> back
       backend_(std::move(backend)),
       tokenizer_(std::move(tokenizer)),
       config_(config),
-      allocator_(backend_->kv_cache().num_blocks, backend_->kv_cache().block_size) {
-  config_.scheduler.block_size = backend_->kv_cache().block_size;
+      allocator_(backend_->Describe().kv_cache.num_blocks, backend_->Describe().kv_cache.block_size) {
+  const BackendInfo info = backend_->Describe();
+  config_.scheduler.block_size = info.kv_cache.block_size;
   stats_.kv_blocks_total = allocator_.num_blocks();
-  stats_.device = backend_->device();
-  stats_.weights_dtype = backend_->weights_dtype();
-  stats_.kv_cache_dtype = backend_->kv_cache_dtype();
-  stats_.projections = backend_->projections();
-  stats_.batch_invariant = backend_->batch_invariant();
-  stats_.memory = backend_->memory();
+  stats_.device = info.device;
+  stats_.weights_dtype = info.weights_dtype;
+  stats_.kv_cache_dtype = info.kv_cache_dtype;
+  stats_.projections = info.projections;
+  stats_.batch_invariant = info.batch_invariant;
+  stats_.memory = info.memory;
   if (config_.background_thread) thread_ = std::thread([this] { Loop(); });
 }
 

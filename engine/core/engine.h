@@ -114,9 +114,9 @@ struct EngineStats {
   int64_t host_timed_steps = 0;
   StepHostTimes host_times;
   std::string device;
-  std::string weights_dtype, kv_cache_dtype;  // what the backend computes from (Backend)
-  std::string projections;                     // Backend::projections()
-  bool batch_invariant = true;                 // Backend::batch_invariant()
+  std::string weights_dtype, kv_cache_dtype;  // what the backend computes from (BackendInfo)
+  std::string projections;                     // BackendInfo::projections
+  bool batch_invariant = true;                 // BackendInfo::batch_invariant
   BackendMemory memory;
 };
 

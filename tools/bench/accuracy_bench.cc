@@ -10,6 +10,7 @@
 #include "nlohmann/json.hpp"
 
 #include "engine/backends/cpu_backend.h"
+#include "engine/backends/step_sync.h"
 #include "engine/model/model.h"
 
 namespace relgen::bench {
@@ -82,7 +83,7 @@ Run Make(const std::shared_ptr<const Model>& model, Precision p, int tokens, int
 std::vector<float> AllLogits(Run& r, const std::vector<int32_t>& tokens) {
   std::vector<float> logits;
   SequenceStep s{tokens, 0, r.table, true};
-  if (!r.backend->Forward({&s, 1}, &logits).ok()) logits.clear();
+  if (!ForwardLogits(*r.backend, {&s, 1}, &logits).ok()) logits.clear();
   return logits;
 }
 
@@ -92,12 +93,12 @@ int Argmax(const float* x, int n) { return static_cast<int>(std::max_element(x, 
 std::vector<int32_t> Greedy(Run& r, std::vector<int32_t> seq, int n, int vocab) {
   std::vector<float> logits;
   SequenceStep s{seq, 0, r.table, false};
-  if (!r.backend->Forward({&s, 1}, &logits).ok()) return {};
+  if (!ForwardLogits(*r.backend, {&s, 1}, &logits).ok()) return {};
   for (int i = 0; i < n; ++i) {
     seq.push_back(Argmax(logits.data(), vocab));
     if (i + 1 == n) break;
     SequenceStep d{absl::MakeConstSpan(&seq.back(), 1), static_cast<int>(seq.size()) - 1, r.table, false};
-    if (!r.backend->Forward({&d, 1}, &logits).ok()) return {};
+    if (!ForwardLogits(*r.backend, {&d, 1}, &logits).ok()) return {};
   }
   return seq;
 }

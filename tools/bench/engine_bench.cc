@@ -165,7 +165,7 @@ Result RunRelgen(Backend& backend, const Model& model, int batch, int context, i
   const CellBlocks blocks = BlocksOf(model.config(), context, steps, bs);
   const int per_seq = blocks.total, cross_per_seq = blocks.cross;
   Result r;
-  r.device = backend.device();
+  r.device = backend.Describe().device;
   std::vector<std::vector<int32_t>> tables(batch), cross(batch);
   for (int b = 0; b < batch; ++b) {
     for (int i = 0; i < per_seq - cross_per_seq; ++i) tables[b].push_back(b * per_seq + i);
@@ -397,8 +397,9 @@ int RunEngineBench(const EngineBenchOptions& o) {
   const auto made_at = Clock::now();
   std::unique_ptr<Backend> backend = MakeBackend(*model, o, threads);
   if (backend == nullptr) return 1;
-  std::printf("backend: %s, %s weights (%s), %s K/V, made in %.1f s%s\n", backend->device().c_str(),
-              backend->weights_dtype().c_str(), backend->projections().c_str(), backend->kv_cache_dtype().c_str(),
+  const BackendInfo info = backend->Describe();
+  std::printf("backend: %s, %s weights (%s), %s K/V, made in %.1f s%s\n", info.device.c_str(),
+              info.weights_dtype.c_str(), info.projections.c_str(), info.kv_cache_dtype.c_str(),
               Since(made_at), gpu ? (", " + std::to_string(o.cuda_split_keys) + " keys per attention split").c_str() : "");
   // Repetitions interleave relgen and the peer cell by cell, so drift in the machine's load hits both.
   for (int rep = 0; rep < o.reps; ++rep) {
