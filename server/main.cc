@@ -122,7 +122,7 @@ ABSL_FLAG(bool, reuse_port, false,
           "connections between them). Off: a port another process listens on is refused at start");
 ABSL_FLAG(bool, enable_test_hooks, false,
           "testing only: POST /testing/pause and /testing/resume on the admin listener hold and release the "
-          "engine before its next step");
+          "engine before its next step; POST /testing/step, while paused, lets one more step run");
 ABSL_FLAG(double, http_request_timeout_seconds, 600,
           "the deadline of an HTTP call, as a gRPC client's deadline is (0: none): past it the call's requests are "
           "cancelled and it answers 504. 600, the OpenAI Python client's own timeout: by then a client on its defaults "
@@ -376,17 +376,18 @@ void AddAdminRoutes(HttpListener& admin, const std::shared_ptr<Metrics>& metrics
     res.set_content(ready ? "serving\n" : "not serving\n", "text/plain; charset=utf-8");
   });
   if (!absl::GetFlag(FLAGS_enable_test_hooks)) return;
-  for (const bool pause : {true, false}) {
-    admin.server().Post(pause ? "/testing/pause" : "/testing/resume",
-                        [hooked, pause](const httplib::Request&, httplib::Response& res) {
-                          Engine* e = hooked->load();
-                          if (e == nullptr) {
-                            res.status = 503;
-                            return res.set_content("the model is loading\n", "text/plain; charset=utf-8");
-                          }
-                          pause ? e->Pause() : e->Resume();
-                          res.set_content(pause ? "paused\n" : "resumed\n", "text/plain; charset=utf-8");
-                        });
+  for (const std::string hook : {"pause", "resume", "step"}) {
+    admin.server().Post("/testing/" + hook, [hooked, hook](const httplib::Request&, httplib::Response& res) {
+      Engine* e = hooked->load();
+      if (e == nullptr) {
+        res.status = 503;
+        return res.set_content("the model is loading\n", "text/plain; charset=utf-8");
+      }
+      if (hook == "pause") e->Pause();
+      if (hook == "resume") e->Resume();
+      if (hook == "step") e->Advance(1);
+      res.set_content(hook + "\n", "text/plain; charset=utf-8");
+    });
   }
 }
 

@@ -591,6 +591,39 @@ TEST(OverlapTest, PauseLandsTheStepInFlight) {
   EXPECT_EQ(delivered + static_cast<int>(rest.tokens.size()), 40);
 }
 
+// Advance lets paused engines run exactly the steps asked for, a step in flight landing with its
+// own: one step's output is seen alone, then two more tokens, then the rest equals an engine never
+// paused. Synchronous and overlapped engines alike.
+TEST(PauseTest, AdvanceRunsTheStepsAskedFor) {
+  for (const bool overlapped : {false, true}) {
+    SCOPED_TRACE(overlapped ? "overlapped" : "synchronous");
+    AheadBackend* ahead = nullptr;
+    auto engine = overlapped ? MakeAheadEngine("skew", EngineSetup{}, &ahead) : MakeEngine("skew", EngineSetup{});
+    engine->Pause();
+    engine->Advance(1);
+    auto a = *engine->Submit(Prompt(5, 40));
+    std::vector<int32_t> tokens;
+    Output o;
+    ASSERT_TRUE(a->Next(&o));
+    tokens = o.token_ids;
+    EXPECT_EQ(tokens.size(), 1u) << "the prompt's one step yields one token";
+    EXPECT_FALSE(o.finished);
+    engine->Pause();  // returns once the granted step (and its landing) is done
+    EXPECT_FALSE(a->Next(&o, absl::ZeroDuration())) << "a second step ran";
+    engine->Advance(2);
+    while (tokens.size() < 3 && a->Next(&o)) tokens.insert(tokens.end(), o.token_ids.begin(), o.token_ids.end());
+    engine->Pause();
+    EXPECT_EQ(tokens.size(), 3u);
+    EXPECT_FALSE(a->Next(&o, absl::ZeroDuration())) << "a fourth step ran";
+    EXPECT_EQ(engine->Stats().num_running, 1);
+    engine->Resume();
+    const Result rest = Drain(*a);
+    tokens.insert(tokens.end(), rest.tokens.begin(), rest.tokens.end());
+    auto plain = MakeEngine("skew", EngineSetup{});
+    EXPECT_EQ(tokens, Drain(**plain->Submit(Prompt(5, 40))).tokens);
+  }
+}
+
 // ---- host time per step
 
 using SteadyClock = std::chrono::steady_clock;

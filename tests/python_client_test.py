@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import unittest
+import urllib.request
 
 import relgen_client
 from relgen_client import Client, RelgenError
@@ -19,11 +20,12 @@ class PythonClientTest(unittest.TestCase):
         model = os.path.join(os.environ["RELGEN_GOLDEN_DIR"], "engine", "skew")
         cls.server = subprocess.Popen(
             [os.environ["RELGEN_SERVER_BIN"], "--model", model, "--listen", "127.0.0.1:0", "--metrics_listen",
-             "127.0.0.1:0", "--http_listen", "127.0.0.1:0", "--kv_cache_tokens", "8192"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             "127.0.0.1:0", "--http_listen", "127.0.0.1:0", "--kv_cache_tokens", "8192", "--enable_test_hooks"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in cls.server.stdout:
-            m = re.search(r"gRPC on (127\.0\.0\.1:\d+)", line)
+            m = re.search(r"gRPC on (127\.0\.0\.1:\d+).*metrics on (127\.0\.0\.1:\d+)", line)
             if m:
-                cls.address = m.group(1)
+                cls.address, cls.admin = m.group(1), m.group(2)
                 break
         else:
             raise RuntimeError("relgen-server did not start")
@@ -33,6 +35,11 @@ class PythonClientTest(unittest.TestCase):
         cls.server.terminate()
         cls.server.wait(timeout=30)
 
+    def hook(self, name):
+        with urllib.request.urlopen(urllib.request.Request(f"http://{self.admin}/testing/{name}", method="POST"),
+                                    timeout=120) as r:
+            self.assertEqual(r.status, 200)
+
     def test_generate_and_stream_agree(self):
         with Client(self.address, timeout=30) as c:
             done = c.generate([10, 20, 30], max_new_tokens=25, temperature=0, ignore_eos=True, logprobs=1)
@@ -41,8 +48,18 @@ class PythonClientTest(unittest.TestCase):
             self.assertEqual(len(done.token_ids), 25)
             self.assertEqual(len(done.logprobs), 25)
             self.assertEqual(done.logprobs[0].token_id, done.logprobs[0].top[0].token_id)
-            chunks = list(c.stream([10, 20, 30], max_new_tokens=25, temperature=0, ignore_eos=True))
-            self.assertGreater(len(chunks), 1)
+            # The engine is let through one step before the stream's first chunk, so that chunk holds
+            # one token and comes while the request runs, however fast or slow the machine is.
+            self.hook("pause")
+            try:
+                self.hook("step")
+                stream = c.stream([10, 20, 30], max_new_tokens=25, temperature=0, ignore_eos=True)
+                first = next(stream)
+            finally:
+                self.hook("resume")
+            self.assertEqual(len(first.token_ids), 1)
+            self.assertIsNone(first.finish_reason)
+            chunks = [first] + list(stream)
             self.assertEqual([t for ch in chunks for t in ch.token_ids], done.token_ids)
             self.assertEqual("".join(ch.text for ch in chunks), done.text)
             self.assertEqual(chunks[-1].finish_reason, "length")

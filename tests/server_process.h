@@ -169,6 +169,10 @@ inline bool PauseEngine(int metrics_port) {
 inline bool ResumeEngine(int metrics_port) {
   return HttpRequest(metrics_port, "POST", "/testing/resume").find("200 OK") != std::string::npos;
 }
+// While paused: the engine runs one more step (once it has work), then holds again.
+inline bool StepEngine(int metrics_port) {
+  return HttpRequest(metrics_port, "POST", "/testing/step").find("200 OK") != std::string::npos;
+}
 
 // GET http://127.0.0.1:port/metrics, the body.
 inline std::string Scrape(int port) {

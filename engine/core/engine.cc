@@ -204,6 +204,13 @@ bool Engine::PauseRequested() {
 void Engine::Resume() {
   std::unique_lock<std::mutex> lock(mu_);
   paused_ = false;
+  advance_ = 0;
+  cv_.notify_all();
+}
+
+void Engine::Advance(int steps) {
+  std::unique_lock<std::mutex> lock(mu_);
+  advance_ += std::max(steps, 0);
   cv_.notify_all();
 }
 
@@ -215,11 +222,13 @@ void Engine::Loop() {
       // A step in flight lands even while paused.
       cv_.wait(lock, [this] {
         return stop_ || in_flight_ != nullptr ||
-               (!paused_ && (!inbox_.empty() || !running_.empty() || !waiting_.empty()));
+               ((!paused_ || advance_ > 0) && (!inbox_.empty() || !running_.empty() || !waiting_.empty()));
       });
       if (stop_) break;
       in_step_ = true;
-      plan = !paused_;
+      const bool work = !inbox_.empty() || !running_.empty() || !waiting_.empty();
+      plan = !paused_ || (advance_ > 0 && work);
+      if (paused_ && plan) --advance_;  // only a step with work to do uses up an Advance
     }
     Step(plan);
     std::unique_lock<std::mutex> lock(mu_);

@@ -149,6 +149,9 @@ class Engine {
   // Shutdown still finishes everything while paused.
   void Pause();
   void Resume();
+  // While paused: lets the next `steps` steps run (each once there is work for it), then holds
+  // again. Returns at once. A test can so see exactly one step's output, whatever the machine's speed.
+  void Advance(int steps);
   // Whether Pause() has been called (and Resume() not since), even while Pause() still waits.
   bool PauseRequested();
   // Non-OK (UNAVAILABLE, naming the fault) once the backend reported itself broken: every request
@@ -241,6 +244,7 @@ class Engine {
   std::deque<std::unique_ptr<Seq>> inbox_;
   bool stop_ = false;
   bool paused_ = false;
+  int advance_ = 0;  // steps Advance() still lets run while paused
   bool in_step_ = false;  // the engine thread is between TakeInbox and the end of Step
   bool has_in_flight_ = false;  // a launched step is not yet landed (in_flight_ set)
   absl::Status failure_;
