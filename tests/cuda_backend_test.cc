@@ -1203,6 +1203,16 @@ TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
     EXPECT_EQ(cuda::LinearMmaSplits(in, out, 3), splits);
     const int range = ((in + splits - 1) / splits + 63) / 64 * 64;
     float* dws = Upload(std::vector<float>(std::max<int64_t>(1, cuda::LinearMmaWorkspace(rows, in, out, 3)), NAN));
+    // The tiles' tickets: zero to start with, and zero again after every launch (the next one, and
+    // a graph's replay, count from there).
+    const int64_t tickets = cuda::LinearMmaTickets(rows, in, out, 3);
+    EXPECT_EQ(tickets, splits > 1 ? int64_t{(rows + 31) / 32} * ((out + 31) / 32) * 3 : 0);
+    unsigned* dtk = Upload(std::vector<unsigned>(std::max<int64_t>(1, tickets), 0u));
+    auto expect_tickets_zero = [&] {
+      std::vector<unsigned> h(std::max<int64_t>(1, tickets));
+      ASSERT_EQ(cudaMemcpy(h.data(), dtk, h.size() * sizeof(unsigned), cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(std::count(h.begin(), h.end(), 0u), static_cast<int64_t>(h.size())) << "a ticket left counted";
+    };
     struct Epilogue {
       const float* bias;
       int act;
@@ -1220,8 +1230,9 @@ TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
         init.resize(init.size() + guards, NAN);
         float* dy = Upload(init);
         EXPECT_EQ(cuda::LinearMma(dx + size_t(first) * in, n, in, dw, out, e.bias, e.act, e.residual, e.alpha, dy, nullptr,
-                                  1, 0, 0, 0, dws),
+                                  1, 0, 0, 0, dws, dtk),
                   cudaSuccess);
+        expect_tickets_zero();
         std::vector<float> h(init.size());
         EXPECT_EQ(cudaMemcpy(h.data(), dy, h.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
         cudaFree(dy);
@@ -1272,14 +1283,18 @@ TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
     // Three products in one launch (a fused QKV): each equals its own launch, bit for bit.
     const int64_t ystride = int64_t{rows} * out + 5;
     float* dy3 = Upload(std::vector<float>(size_t(3 * ystride), NAN));
-    ExpectFusedEqualsThreeLaunches([dws](auto... a) { return cuda::LinearMma(a..., dws); }, dx, dw, db, rows, in, out,
-                                   dy3, ystride);
+    ExpectFusedEqualsThreeLaunches([dws, dtk](auto... a) { return cuda::LinearMma(a..., dws, dtk); }, dx, dw, db, rows,
+                                   in, out, dy3, ystride);
+    expect_tickets_zero();
     if (splits > 1) {
       EXPECT_EQ(cuda::LinearMma(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr), cudaErrorInvalidValue)
           << "two ranges need a workspace";
+      EXPECT_EQ(cuda::LinearMma(dx, rows, in, dw, out, db, -1, false, 1.f, dy3, nullptr, 1, 0, 0, 0, dws),
+                cudaErrorInvalidValue)
+          << "two ranges need tickets";
     }
     for (void* d : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(db), static_cast<void*>(dy3),
-                    static_cast<void*>(dws)}) {
+                    static_cast<void*>(dws), static_cast<void*>(dtk)}) {
       cudaFree(d);
     }
   }

@@ -236,17 +236,19 @@ std::vector<std::pair<DeviceBuffer*, int64_t>> CudaBackend::StepBuffers(const St
           {&x16_, CublasBf16() ? (s.tokens * std::max({d, w, f}) + 1) / 2 : 0},
           {&work_, std::max(cuda::AttentionWorkspace(static_cast<int>(s.tokens), c.n_heads, c.head_dim,
                                                      s.max_keys, options_.attention_split_keys),
-                            MmaWorkspace(s))}};
+                            MmaWorkspace(s))},
+          {&mma_tickets_, MmaWorkspace(s, true)}};
 }
 
-int64_t CudaBackend::MmaWorkspace(const StepShape& s) const {
+int64_t CudaBackend::MmaWorkspace(const StepShape& s, bool tickets) const {
   if (!options_.tensor_cores) return 0;
   const ModelConfig& c = model_->config();
   const int t = static_cast<int>(s.tokens), d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
-  int64_t n = cuda::LinearMmaWorkspace(static_cast<int>(s.kept), d, c.vocab_size, 1);
+  auto need = tickets ? cuda::LinearMmaTickets : cuda::LinearMmaWorkspace;
+  int64_t n = need(static_cast<int>(s.kept), d, c.vocab_size, 1);
   for (int batch = 1; batch <= 3; ++batch) {
     for (auto [in, out] : {std::pair{d, w}, std::pair{w, d}, std::pair{d, f}, std::pair{f, d}}) {
-      n = std::max(n, cuda::LinearMmaWorkspace(t, in, out, batch));
+      n = std::max(n, need(t, in, out, batch));
     }
   }
   return n;
@@ -265,6 +267,9 @@ absl::Status CudaBackend::ReserveStep(const StepShape& s) {
     // Captured graphs hold the buffers' addresses.
     if (buf->ptr != was) DropGraphs();
     if (!st.ok()) return st;
+    if (buf == &mma_tickets_ && buf->ptr != was) {
+      RELGEN_CUDA_RETURN(cudaMemsetAsync(buf->ptr, 0, buf->bytes, stream_));
+    }
   }
   return absl::OkStatus();
 }

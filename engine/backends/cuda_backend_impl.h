@@ -193,8 +193,8 @@ class CudaBackend final : public Backend, public LogitsForward {
   // Each step buffer and its size in elements (meta: int32, the rest: float).
   std::vector<std::pair<DeviceBuffer*, int64_t>> StepBuffers(const StepShape& s);
   // The tensor cores' ranges of k for the largest step (attention and projections take turns with
-  // the one workspace: stream order).
-  int64_t MmaWorkspace(const StepShape& s) const;
+  // the one workspace: stream order); with `tickets`, the counters of their tiles instead.
+  int64_t MmaWorkspace(const StepShape& s, bool tickets = false) const;
   // The device's sampling area: queries | histories | fed history tokens (pairs) | the histories'
   // raw logits. The answers live in the launch's slot.
   static int64_t SampleBytes(int64_t queries, int64_t history) {
@@ -298,6 +298,8 @@ class CudaBackend final : public Backend, public LogitsForward {
   std::unique_ptr<ThreadPool> upload_pool_;  // during Init only
   absl::Status broken_;  // engine thread only, like Forward
   DeviceBuffer x_, h_, qkv_, att_, up_, gate_, work_, logits_d_, meta_, sample_;
+  // cuda::LinearMma's tile tickets: zeroed whenever allocated, left zero by every projection.
+  DeviceBuffer mma_tickets_;
   // cuBLAS with bf16 weights: a projection's input rounded to bf16 (its other operand), and the
   // workspace cuBLAS is given so that it allocates nothing inside a graph capture.
   DeviceBuffer x16_, cublas_workspace_;

@@ -30,7 +30,7 @@ cudaError_t CudaBackend::Project(const float* x, int rows, int in, const DeviceM
     if constexpr (std::is_same_v<decltype(w), const uint16_t*>) {
       if (options_.tensor_cores) {
         return cuda::LinearMma(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride,
-                               bias_stride, y_stride, work_.f());
+                               bias_stride, y_stride, work_.f(), static_cast<unsigned*>(mma_tickets_.ptr));
       }
     }
     return cuda::Linear(x, rows, in, w, out, bias, act, residual, alpha, y, stream_, batch, w_stride, bias_stride,
@@ -92,7 +92,8 @@ absl::Status CudaBackend::Qkv(const float* x, int rows, const DeviceLayer& L,
         RELGEN_CUDA_RETURN(WithMatrix(L.q, [&](auto wqkv) {
           if constexpr (std::is_same_v<decltype(wqkv), const uint16_t*>) {
             if (options_.tensor_cores) {
-              return cuda::QkvToCacheMma(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_, work_.f());
+              return cuda::QkvToCacheMma(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_, work_.f(),
+                                         static_cast<unsigned*>(mma_tickets_.ptr));
             }
           }
           return cuda::QkvToCache(x, rows, d, wqkv, w, bq, q(), *cache, *cache_rows, stream_);

@@ -98,14 +98,19 @@ cudaError_t QkvToCache(const float* x, int rows, int in, const uint16_t* w, int 
 // the rows, so a row's result does not depend on the rows beside it; it differs from Linear's by
 // the rounding of x: relative to sum_k |x_k w_k|, at most 2^-8 (bf16's unit roundoff) from x plus
 // the float accumulation's ~in * 2^-24. With more than one range, `workspace` holds
-// LinearMmaWorkspace(rows, in, out, batch) floats (cudaErrorInvalidValue when null).
+// LinearMmaWorkspace(rows, in, out, batch) floats for the ranges' sums and `tickets`
+// LinearMmaTickets(rows, in, out, batch) counters, zero before the first call and left zero by
+// every call that completes (cudaErrorInvalidValue when either is null). One launch either way.
 int LinearMmaSplits(int in, int out, int batch);
 int64_t LinearMmaWorkspace(int rows, int in, int out, int batch);
+int64_t LinearMmaTickets(int rows, int in, int out, int batch);
 cudaError_t LinearMma(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int activation,
                       bool residual, float alpha, float* y, cudaStream_t stream, int batch = 1, int64_t w_stride = 0,
-                      int64_t bias_stride = 0, int64_t y_stride = 0, float* workspace = nullptr);
+                      int64_t bias_stride = 0, int64_t y_stride = 0, float* workspace = nullptr,
+                      unsigned* tickets = nullptr);
 cudaError_t QkvToCacheMma(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
-                          const KvPool& kv, const Rows& kv_rows, cudaStream_t stream, float* workspace = nullptr);
+                          const KvPool& kv, const Rows& kv_rows, cudaStream_t stream, float* workspace = nullptr,
+                          unsigned* tickets = nullptr);
 // x = act(x) * gate (cpu::ActivateGated).
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).

@@ -142,7 +142,9 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
 // in shared memory (zeros past rows, out and the range: 16-byte loads where the rows allow), and
 // each warp adds kMmaK / 16 m16n16k16 products to its float accumulator, k ascending. One range:
 // the epilogue runs here. Several: each range's sums go to `partial` [product][range][rows][out],
-// and LinearMmaCombineKernel adds them in range order. An output's chain of operations is the same
+// and the tile's last block to finish (its ticket says so) adds them in range order and runs the
+// epilogue, then zeroes the ticket for the next launch (a graph's replay too): no second launch,
+// and no block waits for another. An output's chain of operations is the same
 // whichever rows share its tile and however deep a stage is, and the ranges depend on the shape
 // alone: rows are batch invariant. Deep stages and the ranges keep the weights in flight when a
 // decode step's few rows make a small grid.
@@ -158,8 +160,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
                                                                   int out, const float* bias, int act, bool residual,
                                                                   float alpha, float* y, int64_t w_stride,
                                                                   int64_t bias_stride, int64_t y_stride, KvPool kv,
-                                                                  Rows kv_rows, int splits, float* partial) {
+                                                                  Rows kv_rows, int splits, float* partial,
+                                                                  unsigned* tickets) {
   namespace wmma = nvcuda::wmma;
+  __shared__ bool last;
   __shared__ __attribute__((aligned(32))) __nv_bfloat16 xs[32 * kMmaLd];
   __shared__ __attribute__((aligned(32))) __nv_bfloat16 ws[32 * kMmaLd];
   __shared__ __attribute__((aligned(32))) float cs[kMmaWarps][16 * 16];
@@ -233,22 +237,28 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
       partial[(int64_t{blockIdx.z} * rows + row) * out + col] = cs[warp][e];
     }
   }
-}
-
-// The ranges' sums of each output added in range order, then LinearMmaKernel's epilogue. Grid: x
-// over rows * out, y the product.
-__global__ void LinearMmaCombineKernel(const float* partial, int splits, int rows, int out, const float* bias, int act,
-                                       bool residual, float alpha, float* y, int64_t bias_stride, int64_t y_stride,
-                                       KvPool kv, Rows kv_rows) {
-  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x, n = int64_t{rows} * out;
-  if (i >= n) return;
-  const int part = blockIdx.y;
-  const float* p = partial + int64_t{part} * splits * n + i;
-  float sum = p[0];
-  for (int r = 1; r < splits; ++r) sum += p[r * n];
-  LinearOut(sum, static_cast<int>(i / out), static_cast<int>(i % out), out,
-            bias != nullptr ? bias + part * bias_stride : nullptr, act, residual, alpha, y + part * y_stride, kv,
-            kv_rows, part);
+  if (splits == 1) return;
+  // This block's sums reach global memory before its ticket is taken; the last taker's loads
+  // bypass L1 (it holds nothing of other blocks' writes, but the rule costs nothing).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int tile = (part * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    last = atomicAdd(tickets + tile, 1u) == static_cast<unsigned>(splits - 1);
+    if (last) tickets[tile] = 0u;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int64_t n = int64_t{rows} * out;
+  for (int e = threadIdx.x; e < 32 * 32; e += 32 * kMmaWarps) {
+    const int row = r0 + (e >> 5), col = o0 + (e & 31);
+    if (row >= rows || col >= out) continue;
+    const float* p = partial + int64_t{part} * splits * n + int64_t{row} * out + col;
+    float sum = __ldcg(p);
+    for (int r = 1; r < splits; ++r) sum += __ldcg(p + r * n);
+    LinearOut(sum, row, col, out, bias, act, residual, alpha, y, kv, kv_rows, part);
+  }
 }
 
 }  // namespace
@@ -258,23 +268,20 @@ template <typename TW>
 cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out, const float* bias, int act,
                          bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
                          int64_t bias_stride, int64_t y_stride, const KvPool& kv = KvPool{},
-                         const Rows& kv_rows = Rows{}, bool mma = false, float* workspace = nullptr) {
+                         const Rows& kv_rows = Rows{}, bool mma = false, float* workspace = nullptr,
+                         unsigned* tickets = nullptr) {
   if (in < 1 || out < 1 || batch < 1) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if constexpr (std::is_same_v<TW, uint16_t>) {
     if (mma) {
       const int splits = LinearMmaSplits(in, out, batch);
-      if (splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+      if (splits > 1 && (workspace == nullptr || tickets == nullptr)) return cudaErrorInvalidValue;
       // Row tiles adjacent in launch order: the tiles reading one weight tile run together, so it
       // comes from DRAM once and from L2 for the rest.
       const dim3 grid(Blocks(rows, 32), Blocks(out, 32), batch * splits);
       RELGEN_LAUNCH(LinearMmaKernel, grid, 32 * kMmaWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y,
                                                                   w_stride, bias_stride, y_stride, kv, kv_rows,
-                                                                  splits, workspace);
-      if (splits == 1) return cudaGetLastError();
-      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-      RELGEN_LAUNCH(LinearMmaCombineKernel, dim3(Blocks(int64_t{rows} * out, 256), batch), 256, 0, s)(
-          workspace, splits, rows, out, bias, act, residual, alpha, y, bias_stride, y_stride, kv, kv_rows);
+                                                                  splits, workspace, tickets);
       return cudaGetLastError();
     }
   }
@@ -298,12 +305,12 @@ cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out,
 template <typename TW>
 cudaError_t LaunchQkvToCache(const float* x, int rows, int in, const TW* w, int width, const float* bias, float* q,
                              const KvPool& kv, const Rows& kv_rows, cudaStream_t s, bool mma = false,
-                             float* workspace = nullptr) {
+                             float* workspace = nullptr, unsigned* tickets = nullptr) {
   if (kv.k == nullptr || kv.v == nullptr || kv.n_heads * kv.head_dim != width || kv_rows.n != rows) {
     return cudaErrorInvalidValue;
   }
   return LaunchLinear(x, rows, in, w, width, bias, -1, false, 1.f, q, s, 3, int64_t{width} * in,
-                      bias != nullptr ? width : 0, 0, kv, kv_rows, mma, workspace);
+                      bias != nullptr ? width : 0, 0, kv, kv_rows, mma, workspace, tickets);
 }
 }  // namespace
 
@@ -331,16 +338,21 @@ int64_t LinearMmaWorkspace(int rows, int in, int out, int batch) {
   return splits > 1 ? int64_t{rows} * out * batch * splits : 0;
 }
 
+int64_t LinearMmaTickets(int rows, int in, int out, int batch) {
+  return LinearMmaSplits(in, out, batch) > 1 ? int64_t{Blocks(rows, 32)} * Blocks(out, 32) * batch : 0;
+}
+
 cudaError_t LinearMma(const float* x, int rows, int in, const uint16_t* w, int out, const float* bias, int act,
                       bool residual, float alpha, float* y, cudaStream_t s, int batch, int64_t w_stride,
-                      int64_t bias_stride, int64_t y_stride, float* workspace) {
+                      int64_t bias_stride, int64_t y_stride, float* workspace, unsigned* tickets) {
   return LaunchLinear(x, rows, in, w, out, bias, act, residual, alpha, y, s, batch, w_stride, bias_stride, y_stride,
-                      KvPool{}, Rows{}, true, workspace);
+                      KvPool{}, Rows{}, true, workspace, tickets);
 }
 
 cudaError_t QkvToCacheMma(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
-                          const KvPool& kv, const Rows& kv_rows, cudaStream_t s, float* workspace) {
-  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s, true, workspace);
+                          const KvPool& kv, const Rows& kv_rows, cudaStream_t s, float* workspace,
+                          unsigned* tickets) {
+  return LaunchQkvToCache(x, rows, in, w, width, bias, q, kv, kv_rows, s, true, workspace, tickets);
 }
 
 cudaError_t QkvToCache(const float* x, int rows, int in, const float* w, int width, const float* bias, float* q,

@@ -174,6 +174,15 @@ T atomicMax(T* p, T v) {
   return old;
 }
 
+// Memory ordering between blocks: a launch runs its blocks one after another, so a fence has
+// nothing left to order (inside a block, the barriers order; TSan sees those).
+inline void __threadfence() {}
+// Loads that bypass L1 (another block's writes in the same launch): plain loads here.
+template <class T>
+T __ldcg(const T* p) {
+  return *p;
+}
+
 // Device math: the fast intrinsics are the accurate functions here (the device's are within a few
 // ulp).
 inline unsigned int __float_as_uint(float x) {
