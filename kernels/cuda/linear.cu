@@ -1,6 +1,7 @@
 // The projections: LinearKernel (CUDA cores, float32 or bf16 weights) and LinearMmaKernel (tensor
 // cores, bf16 weights) with its range combine; the fused QKV projection writes K and V into the cache.
 #include <cuda_runtime.h>
+#include <cuda_pipeline_primitives.h>
 #include <mma.h>
 
 #include <cstdint>
@@ -138,9 +139,12 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
 
 // Tensor cores, bf16 weights: a block of kMmaWarps warps computes 32 rows x 32 outputs, a 16 x 16
 // tile per warp, over one of `splits` consecutive ranges of k (MmaSplitK). For each kMmaK of its
-// range in turn, the block rounds its 32 rows of x to bf16 and stages them with the 32 weight rows
-// in shared memory (zeros past rows, out and the range: 16-byte loads where the rows allow), and
-// each warp adds kMmaK / 16 m16n16k16 products to its float accumulator, k ascending. One range:
+// range in turn, the block rounds its 32 rows of x to bf16 and stages them in shared memory with
+// the 32 weight rows (zeros past rows, out and the range), and each warp adds kMmaK / 16
+// m16n16k16 products to its float accumulator, k ascending. The weights come kMmaStages - 1
+// rounds ahead, by asynchronous 16-byte copies (cp.async) where the rows allow, so a block keeps
+// that many rounds of weights in flight while it multiplies; that is what a decode step, whose
+// few rows make the weights the whole of the traffic, waits on. One range:
 // the epilogue runs here. Several: each range's sums go to `partial` [product][range][rows][out],
 // and the tile's last block to finish (its ticket says so) adds them in range order and runs the
 // epilogue, then zeroes the ticket for the next launch (a graph's replay too): no second launch,
@@ -151,6 +155,7 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
 constexpr int kMmaWarps = 4;
 constexpr int kMmaK = 64;          // k staged per round
 constexpr int kMmaLd = kMmaK + 8;  // staged row pitch in bf16: a multiple of 8, rows 16-byte aligned
+constexpr int kMmaStages = 3;      // weight buffers: rounds in flight + the one being multiplied
 constexpr int kMmaBlocks = 512;    // blocks a one-row launch should have (4 per SM on 132 SMs)
 constexpr int kMmaMinRange = 256;  // k per range at least
 __host__ __device__ __forceinline__ int MmaRangeK(int in, int splits) {
@@ -165,7 +170,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
   namespace wmma = nvcuda::wmma;
   __shared__ bool last;
   __shared__ __attribute__((aligned(32))) __nv_bfloat16 xs[32 * kMmaLd];
-  __shared__ __attribute__((aligned(32))) __nv_bfloat16 ws[32 * kMmaLd];
+  __shared__ __attribute__((aligned(32))) __nv_bfloat16 ws[kMmaStages][32 * kMmaLd];
   __shared__ __attribute__((aligned(32))) float cs[kMmaWarps][16 * 16];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wm = warp >> 1, wn = warp & 1;
@@ -178,24 +183,40 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
   // 16-byte pieces: 8 weights, or 4 of x, when every row starts on 16 bytes.
   const bool w_vec = in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0;
   const bool x_vec = in % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-  wmma::fill_fragment(acc, 0.f);
-  for (int k0 = kb; k0 < ke; k0 += kMmaK) {
-    const bool whole_k = k0 + kMmaK <= ke;
-    if (w_vec && whole_k) {
-      for (int e = threadIdx.x; e < 32 * kMmaK / 8; e += 32 * kMmaWarps) {
-        const int r = e / (kMmaK / 8), k = (e % (kMmaK / 8)) * 8;
-        const uint4 v = o0 + r < out ? *reinterpret_cast<const uint4*>(w + int64_t{o0 + r} * in + k0 + k)
-                                     : make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(ws + r * kMmaLd + k) = v;
-      }
-    } else {
-      for (int e = threadIdx.x; e < 32 * kMmaK; e += 32 * kMmaWarps) {
-        const int r = e / kMmaK, k = e % kMmaK;
-        ws[r * kMmaLd + k] = __ushort_as_bfloat16(o0 + r < out && k0 + k < ke ? w[int64_t{o0 + r} * in + k0 + k]
-                                                                              : static_cast<uint16_t>(0));
+  // The weights of round `round` into its buffer, as one commit group (empty past the range, so
+  // every thread's groups count alike): asynchronous where whole and aligned, else plain stores.
+  const int rounds = max(0, (ke - kb + kMmaK - 1) / kMmaK);
+  auto stage_weights = [&](int round) {
+    if (round < rounds) {
+      const int k0 = kb + round * kMmaK;
+      __nv_bfloat16* dst = ws[round % kMmaStages];
+      if (w_vec && k0 + kMmaK <= ke) {
+        for (int e = threadIdx.x; e < 32 * kMmaK / 8; e += 32 * kMmaWarps) {
+          const int r = e / (kMmaK / 8), k = (e % (kMmaK / 8)) * 8;
+          if (o0 + r < out) {
+            __pipeline_memcpy_async(dst + r * kMmaLd + k, w + int64_t{o0 + r} * in + k0 + k, 16);
+          } else {
+            *reinterpret_cast<uint4*>(dst + r * kMmaLd + k) = make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
+      } else {
+        for (int e = threadIdx.x; e < 32 * kMmaK; e += 32 * kMmaWarps) {
+          const int r = e / kMmaK, k = e % kMmaK;
+          dst[r * kMmaLd + k] = __ushort_as_bfloat16(o0 + r < out && k0 + k < ke ? w[int64_t{o0 + r} * in + k0 + k]
+                                                                                 : static_cast<uint16_t>(0));
+        }
       }
     }
+    __pipeline_commit();
+  };
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.f);
+  for (int round = 0; round < kMmaStages - 1; ++round) stage_weights(round);
+  for (int round = 0; round < rounds; ++round) {
+    const int k0 = kb + round * kMmaK;
+    const bool whole_k = k0 + kMmaK <= ke;
+    // Into the buffer the last round multiplied from: every warp is past it (the barrier below).
+    stage_weights(round + kMmaStages - 1);
     if (x_vec && whole_k) {
       for (int e = threadIdx.x; e < 32 * kMmaK / 4; e += 32 * kMmaWarps) {
         const int r = e / (kMmaK / 4), k = (e % (kMmaK / 4)) * 4;
@@ -214,14 +235,16 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
             __float2bfloat16_rn(r0 + r < rows && k0 + k < ke ? x[int64_t{r0 + r} * in + k0 + k] : 0.f);
       }
     }
-    __syncthreads();
+    __pipeline_wait_prior(kMmaStages - 1);  // this round's weights, as this thread copied them
+    __syncthreads();                        // and as every thread did, with x
     // Steps wholly past the range add zeros; they are skipped, the same in every tile.
     const int steps = min(kMmaK, ke - k0 + 15) / 16;
+    const __nv_bfloat16* wr = ws[round % kMmaStages];
     for (int t = 0; t < steps; ++t) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
       wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
       wmma::load_matrix_sync(a, xs + 16 * wm * kMmaLd + 16 * t, kMmaLd);
-      wmma::load_matrix_sync(b, ws + 16 * wn * kMmaLd + 16 * t, kMmaLd);
+      wmma::load_matrix_sync(b, wr + 16 * wn * kMmaLd + 16 * t, kMmaLd);
       wmma::mma_sync(acc, a, b, acc);
     }
     __syncthreads();

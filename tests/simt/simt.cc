@@ -716,6 +716,8 @@ void RunBlockThreads(Block& b) {
 
 namespace detail {
 
+[[noreturn]] void DeviceFault(const char* what) { Fault(*static_cast<Lane*>(current->lane)->block, what); }
+
 uint64_t WarpCollective(unsigned mask, ShuffleKind kind, uint64_t value, int param, int width) {
   Lane& me = Me();
   Block& b = *me.block;

@@ -3,6 +3,7 @@
 #include "tests/simt/simt.h"
 
 #include <cublas_v2.h>
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -181,6 +182,54 @@ TEST(SimtTest, DynamicSharedMemoryIsPerBlock) {
   for (int b = 0; b < 3; ++b) {
     for (int t = 0; t < 40; ++t) EXPECT_EQ(got[b * 40 + t], b * 1000.f + (t + 1) % 40);
   }
+  cudaFree(out);
+}
+
+// Asynchronous copies land when their group is waited for, not before: each thread copies 16
+// bytes in two groups, reads its buffers before and after each wait; the last 4 bytes of the
+// second are zero-filled.
+__global__ void AsyncCopies(const int* src, int* out) {
+  RELGEN_DYNAMIC_SHARED(int, buf);  // 8 ints a thread, filled with 0xff by the emulator
+  int* mine = buf + 8 * threadIdx.x;
+  const int* from = src + 8 * threadIdx.x;
+  __pipeline_memcpy_async(mine, from, 16);
+  __pipeline_commit();
+  __pipeline_memcpy_async(mine + 4, from + 4, 16, 4);
+  __pipeline_commit();
+  int* o = out + 16 * threadIdx.x;
+  o[0] = mine[0];  // neither group waited for
+  __pipeline_wait_prior(1);
+  o[1] = mine[3];  // the first group's
+  o[2] = mine[4];  // the second's: not yet
+  __pipeline_wait_prior(0);
+  for (int i = 0; i < 8; ++i) o[8 + i] = mine[i];
+}
+__global__ void AsyncCopyMisaligned(const int* src, int* out) {
+  RELGEN_DYNAMIC_SHARED(int, buf);
+  __pipeline_memcpy_async(buf + 1, src, 16);
+  out[0] = 0;
+}
+
+TEST(SimtTest, AsyncCopiesLandWhenWaitedFor) {
+  const int threads = 3;
+  std::vector<int> src(8 * threads);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = 100 + static_cast<int>(i);
+  int* dsrc = Upload(src);
+  int* out = Upload(std::vector<int>(16 * threads, 7));
+  RELGEN_LAUNCH(AsyncCopies, 1, threads, 8 * threads * sizeof(int), nullptr)(dsrc, out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess) << simt::LastFault();
+  const std::vector<int> got = Download(out, 16 * threads);
+  for (int t = 0; t < threads; ++t) {
+    const int* o = got.data() + 16 * t;
+    EXPECT_EQ(o[0], -1) << "a copy landed before its wait";
+    EXPECT_EQ(o[1], src[8 * t + 3]);
+    EXPECT_EQ(o[2], -1) << "the newest group landed under wait_prior(1)";
+    for (int i = 0; i < 7; ++i) EXPECT_EQ(o[8 + i], src[8 * t + i]) << "thread " << t << " int " << i;
+    EXPECT_EQ(o[15], 0) << "the zero fill";
+  }
+  RELGEN_LAUNCH(AsyncCopyMisaligned, 1, 1, 64, nullptr)(dsrc, out);
+  ExpectFault("not aligned");
+  cudaFree(dsrc);
   cudaFree(out);
 }
 

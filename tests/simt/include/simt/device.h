@@ -56,6 +56,13 @@ typedef struct CUstream_st* cudaStream_t;
 namespace simt::detail {
 
 // The emulated thread now running on this OS thread (set by the block scheduler).
+// An asynchronous copy to shared memory (cp.async) not yet waited for: `fill` zero bytes end it.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  size_t bytes, fill;
+  int64_t group;  // the commits before it
+};
 struct ThreadContext {
   uint3 thread_idx;
   uint3 block_idx;
@@ -63,6 +70,8 @@ struct ThreadContext {
   uint3 grid_dim;
   unsigned char* dynamic_shared;
   void* lane;  // scheduler state
+  std::vector<AsyncCopy> copies;  // issued, not yet waited for, oldest first
+  int64_t commits = 0;
 };
 extern thread_local ThreadContext* current;
 inline const ThreadContext& Ctx() { return *current; }
@@ -81,6 +90,9 @@ T Shuffle(unsigned mask, T v, ShuffleKind kind, int param, int width) {
   std::memcpy(&out, &bits, sizeof(T));
   return out;
 }
+
+// Ends the running block with a fault (a kernel's misuse of an intrinsic).
+[[noreturn]] void DeviceFault(const char* what);
 
 using KernelBody = std::function<void()>;
 // Runs `body` once per thread of every block; errors go to the runtime's last/sticky error.
