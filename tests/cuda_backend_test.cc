@@ -1167,13 +1167,14 @@ TEST(CudaKernelsTest, LinearRowsAreBatchInvariant) {
 // of float64 (against x rounded to bf16: float accumulation only; against x itself: plus 2^-8 of
 // the terms' magnitudes); on the emulator, bit for bit the documented order (k in steps of 16,
 // fmaf within); every row's bits the same alone, in any batch and at any place in one (1..260
-// rows); nothing written past the rows; the epilogue as Linear's; three products in one launch
-// equal three launches. In-widths that are and are not multiples of 16.
+// rows: 32-row tiles below 64 rows, 64-row tiles from there); nothing written past the rows; the
+// epilogue as Linear's; three products in one launch equal three launches. In-widths that are and
+// are not multiples of 16.
 TEST(CudaKernelsTest, LinearMmaRowsAreBatchInvariantAndWithinTheBf16Bound) {
   REQUIRE_GPU();
   std::mt19937 rng(29);
   std::normal_distribution<float> nd;
-  const int rows = OnThreads() ? 40 : 260, out = 37;  // 9 blocks of 32 rows (the last of 4), 2 of outputs
+  const int rows = OnThreads() ? 70 : 260, out = 37;  // 9 tiles of 32 rows (the last of 4) or 5 of 64, 2 of outputs
   auto bf16 = [](float f) { return static_cast<float>(testing::Bf16Value(f)); };
   // Widths: whole 64-deep stages (64), whole ones then a part (200, 120: 56 left, 8 short of a
   // stage), less than one (7, 48), four ranges of k (1100: 320, 320, 320 and 140, each ending in a

@@ -91,6 +91,9 @@ BUDGETS = {
     "LinearKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (loads in flight over occupancy)
     # >= 37.5%: 6 blocks x 4 warps (tensor cores; 64 registers spill on sm_90 since the 64-deep staging)
     "LinearMmaKernel": Budget(threads=128, regs=80),
+    # >= 25%: 4 blocks x 4 warps (64 x 64 tiles, four accumulators a warp; 41 KB of shared memory caps
+    # sm_80 at 4 blocks anyway)
+    "LinearMmaWideKernel": Budget(threads=128, regs=128),
     # kernels/cuda/sampler_kernels.cu
     "AnswerRowsKernel": Budget(threads=256, regs=64),  # >= 50%: 4 blocks x 8 warps (a block per row, L2-bound passes)
     "FeedTokensKernel": Budget(threads=256, regs=32),  # 100%

@@ -137,40 +137,43 @@ __global__ void __launch_bounds__(32 * kLinWarps, 4) LinearKernel(const float* x
   }
 }
 
-// Tensor cores, bf16 weights: a block of kMmaWarps warps computes 32 rows x 32 outputs, a 16 x 16
-// tile per warp, over one of `splits` consecutive ranges of k (MmaSplitK). For each kMmaK of its
-// range in turn, the block rounds its 32 rows of x to bf16 and stages them in shared memory with
-// the 32 weight rows (zeros past rows, out and the range), and each warp adds kMmaK / 16
-// m16n16k16 products to its float accumulator, k ascending. The weights come kMmaStages - 1
-// rounds ahead, by asynchronous 16-byte copies (cp.async) where the rows allow, so a block keeps
-// that many rounds of weights in flight while it multiplies; that is what a decode step, whose
-// few rows make the weights the whole of the traffic, waits on. One range:
-// the epilogue runs here. Several: each range's sums go to `partial` [product][range][rows][out],
-// and the tile's last block to finish (its ticket says so) adds them in range order and runs the
-// epilogue, then zeroes the ticket for the next launch (a graph's replay too): no second launch,
-// and no block waits for another. An output's chain of operations is the same
-// whichever rows share its tile and however deep a stage is, and the ranges depend on the shape
-// alone: rows are batch invariant. Deep stages and the ranges keep the weights in flight when a
-// decode step's few rows make a small grid.
+// Tensor cores, bf16 weights: a block of kMmaWarps warps computes 32 rows x 32 outputs (a 16 x 16
+// tile per warp), or from kMmaWideRows rows 64 x 64 (four per warp), over one of `splits`
+// consecutive ranges of k (MmaSplitK). For each kMmaK of its range in turn, the block rounds its
+// rows of x to bf16 and stages them in shared memory with its weight rows (zeros past rows, out
+// and the range), and each warp adds kMmaK / 16 m16n16k16 products to each float accumulator, k
+// ascending. The weights come kMmaStages - 1 rounds ahead, by asynchronous 16-byte copies
+// (cp.async) where the rows allow, so a block keeps that many rounds of weights in flight while
+// it multiplies; that is what a decode step, whose few rows make the weights the whole of the
+// traffic, waits on. One range: the epilogue runs here. Several: each range's sums go to
+// `partial` [product][range][rows][out], and the tile's last block to finish (its ticket says so)
+// adds them in range order and runs the epilogue, then zeroes the ticket for the next launch (a
+// graph's replay too): no second launch, and no block waits for another. An output's chain of
+// operations is the same whichever rows share its tile, whatever the tile's size and however deep
+// a stage is, and the ranges depend on the shape alone: rows are batch invariant. Deep stages and
+// the ranges keep the weights in flight when a decode step's few rows make a small grid.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaK = 64;          // k staged per round
 constexpr int kMmaLd = kMmaK + 8;  // staged row pitch in bf16: a multiple of 8, rows 16-byte aligned
 constexpr int kMmaStages = 3;      // weight buffers: rounds in flight + the one being multiplied
+constexpr int kMmaWideRows = 64;   // rows from which a launch takes 64 x 64 tiles
 constexpr int kMmaBlocks = 512;    // blocks a one-row launch should have (4 per SM on 132 SMs)
 constexpr int kMmaMinRange = 256;  // k per range at least
 __host__ __device__ __forceinline__ int MmaRangeK(int in, int splits) {
   return ((in + splits - 1) / splits + kMmaK - 1) / kMmaK * kMmaK;
 }
-__global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x, int rows, int in, const uint16_t* w,
-                                                                  int out, const float* bias, int act, bool residual,
-                                                                  float alpha, float* y, int64_t w_stride,
-                                                                  int64_t bias_stride, int64_t y_stride, KvPool kv,
-                                                                  Rows kv_rows, int splits, float* partial,
-                                                                  unsigned* tickets) {
+template <int kTileRows, int kTileOuts>
+__device__ __forceinline__ void LinearMmaTile(const float* x, int rows, int in, const uint16_t* w, int out,
+                                              const float* bias, int act, bool residual, float alpha, float* y,
+                                              int64_t w_stride, int64_t bias_stride, int64_t y_stride, KvPool kv,
+                                              Rows kv_rows, int splits, float* partial, unsigned* tickets) {
   namespace wmma = nvcuda::wmma;
+  // The warps form a 2 x 2 grid over the tile; each holds (kTileRows / 32) x (kTileOuts / 32)
+  // accumulators of 16 x 16.
+  constexpr int kFragRows = kTileRows / 32, kFragOuts = kTileOuts / 32;
   __shared__ bool last;
-  __shared__ __attribute__((aligned(32))) __nv_bfloat16 xs[32 * kMmaLd];
-  __shared__ __attribute__((aligned(32))) __nv_bfloat16 ws[kMmaStages][32 * kMmaLd];
+  __shared__ __attribute__((aligned(32))) __nv_bfloat16 xs[kTileRows * kMmaLd];
+  __shared__ __attribute__((aligned(32))) __nv_bfloat16 ws[kMmaStages][kTileOuts * kMmaLd];
   __shared__ __attribute__((aligned(32))) float cs[kMmaWarps][16 * 16];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wm = warp >> 1, wn = warp & 1;
@@ -178,7 +181,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
   w += part * w_stride;
   y += part * y_stride;
   if (bias != nullptr) bias += part * bias_stride;
-  const int r0 = blockIdx.x * 32, o0 = blockIdx.y * 32;
+  const int r0 = blockIdx.x * kTileRows, o0 = blockIdx.y * kTileOuts;
   const int kb = range * MmaRangeK(in, splits), ke = min(in, kb + MmaRangeK(in, splits));
   // 16-byte pieces: 8 weights, or 4 of x, when every row starts on 16 bytes.
   const bool w_vec = in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0;
@@ -191,7 +194,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
       const int k0 = kb + round * kMmaK;
       __nv_bfloat16* dst = ws[round % kMmaStages];
       if (w_vec && k0 + kMmaK <= ke) {
-        for (int e = threadIdx.x; e < 32 * kMmaK / 8; e += 32 * kMmaWarps) {
+        for (int e = threadIdx.x; e < kTileOuts * kMmaK / 8; e += 32 * kMmaWarps) {
           const int r = e / (kMmaK / 8), k = (e % (kMmaK / 8)) * 8;
           if (o0 + r < out) {
             __pipeline_memcpy_async(dst + r * kMmaLd + k, w + int64_t{o0 + r} * in + k0 + k, 16);
@@ -200,7 +203,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
           }
         }
       } else {
-        for (int e = threadIdx.x; e < 32 * kMmaK; e += 32 * kMmaWarps) {
+        for (int e = threadIdx.x; e < kTileOuts * kMmaK; e += 32 * kMmaWarps) {
           const int r = e / kMmaK, k = e % kMmaK;
           dst[r * kMmaLd + k] = __ushort_as_bfloat16(o0 + r < out && k0 + k < ke ? w[int64_t{o0 + r} * in + k0 + k]
                                                                                  : static_cast<uint16_t>(0));
@@ -209,8 +212,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
     }
     __pipeline_commit();
   };
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-  wmma::fill_fragment(acc, 0.f);
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kFragRows][kFragOuts];
+#pragma unroll
+  for (int i = 0; i < kFragRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kFragOuts; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+  }
   for (int round = 0; round < kMmaStages - 1; ++round) stage_weights(round);
   for (int round = 0; round < rounds; ++round) {
     const int k0 = kb + round * kMmaK;
@@ -218,7 +225,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
     // Into the buffer the last round multiplied from: every warp is past it (the barrier below).
     stage_weights(round + kMmaStages - 1);
     if (x_vec && whole_k) {
-      for (int e = threadIdx.x; e < 32 * kMmaK / 4; e += 32 * kMmaWarps) {
+      for (int e = threadIdx.x; e < kTileRows * kMmaK / 4; e += 32 * kMmaWarps) {
         const int r = e / (kMmaK / 4), k = (e % (kMmaK / 4)) * 4;
         const float4 v = r0 + r < rows ? *reinterpret_cast<const float4*>(x + int64_t{r0 + r} * in + k0 + k)
                                        : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -229,7 +236,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
         d[3] = __float2bfloat16_rn(v.w);
       }
     } else {
-      for (int e = threadIdx.x; e < 32 * kMmaK; e += 32 * kMmaWarps) {
+      for (int e = threadIdx.x; e < kTileRows * kMmaK; e += 32 * kMmaWarps) {
         const int r = e / kMmaK, k = e % kMmaK;
         xs[r * kMmaLd + k] =
             __float2bfloat16_rn(r0 + r < rows && k0 + k < ke ? x[int64_t{r0 + r} * in + k0 + k] : 0.f);
@@ -237,27 +244,47 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
     }
     __pipeline_wait_prior(kMmaStages - 1);  // this round's weights, as this thread copied them
     __syncthreads();                        // and as every thread did, with x
-    // Steps wholly past the range add zeros; they are skipped, the same in every tile.
+    // Steps wholly past the range add zeros; they are skipped, the same in every tile. Each
+    // accumulator takes its steps in k order, whatever the tile's size: the same bits.
     const int steps = min(kMmaK, ke - k0 + 15) / 16;
     const __nv_bfloat16* wr = ws[round % kMmaStages];
     for (int t = 0; t < steps; ++t) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-      wmma::load_matrix_sync(a, xs + 16 * wm * kMmaLd + 16 * t, kMmaLd);
-      wmma::load_matrix_sync(b, wr + 16 * wn * kMmaLd + 16 * t, kMmaLd);
-      wmma::mma_sync(acc, a, b, acc);
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a[kFragRows];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[kFragOuts];
+#pragma unroll
+      for (int i = 0; i < kFragRows; ++i) {
+        wmma::load_matrix_sync(a[i], xs + (wm * kTileRows / 2 + 16 * i) * kMmaLd + 16 * t, kMmaLd);
+      }
+#pragma unroll
+      for (int j = 0; j < kFragOuts; ++j) {
+        wmma::load_matrix_sync(b[j], wr + (wn * kTileOuts / 2 + 16 * j) * kMmaLd + 16 * t, kMmaLd);
+      }
+#pragma unroll
+      for (int i = 0; i < kFragRows; ++i) {
+#pragma unroll
+        for (int j = 0; j < kFragOuts; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+      }
     }
     __syncthreads();
   }
-  wmma::store_matrix_sync(cs[warp], acc, 16, wmma::mem_row_major);
-  __syncwarp();
-  for (int e = lane; e < 16 * 16; e += 32) {
-    const int row = r0 + 16 * wm + (e >> 4), col = o0 + 16 * wn + (e & 15);
-    if (row >= rows || col >= out) continue;
-    if (splits == 1) {
-      LinearOut(cs[warp][e], row, col, out, bias, act, residual, alpha, y, kv, kv_rows, part);
-    } else {
-      partial[(int64_t{blockIdx.z} * rows + row) * out + col] = cs[warp][e];
+  // Out through one 16 x 16 buffer a warp, an accumulator at a time.
+#pragma unroll
+  for (int i = 0; i < kFragRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kFragOuts; ++j) {
+      wmma::store_matrix_sync(cs[warp], acc[i][j], 16, wmma::mem_row_major);
+      __syncwarp();
+      for (int e = lane; e < 16 * 16; e += 32) {
+        const int row = r0 + wm * kTileRows / 2 + 16 * i + (e >> 4);
+        const int col = o0 + wn * kTileOuts / 2 + 16 * j + (e & 15);
+        if (row >= rows || col >= out) continue;
+        if (splits == 1) {
+          LinearOut(cs[warp][e], row, col, out, bias, act, residual, alpha, y, kv, kv_rows, part);
+        } else {
+          partial[(int64_t{blockIdx.z} * rows + row) * out + col] = cs[warp][e];
+        }
+      }
+      __syncwarp();
     }
   }
   if (splits == 1) return;
@@ -274,8 +301,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
   if (!last) return;
   __threadfence();
   const int64_t n = int64_t{rows} * out;
-  for (int e = threadIdx.x; e < 32 * 32; e += 32 * kMmaWarps) {
-    const int row = r0 + (e >> 5), col = o0 + (e & 31);
+  for (int e = threadIdx.x; e < kTileRows * kTileOuts; e += 32 * kMmaWarps) {
+    const int row = r0 + e / kTileOuts, col = o0 + e % kTileOuts;
     if (row >= rows || col >= out) continue;
     const float* p = partial + int64_t{part} * splits * n + int64_t{row} * out + col;
     float sum = __ldcg(p);
@@ -283,6 +310,23 @@ __global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(const float* x
     LinearOut(sum, row, col, out, bias, act, residual, alpha, y, kv, kv_rows, part);
   }
 }
+
+#define RELGEN_MMA_PARAMS                                                                                   \
+  const float *x, int rows, int in, const uint16_t *w, int out, const float *bias, int act, bool residual, \
+      float alpha, float *y, int64_t w_stride, int64_t bias_stride, int64_t y_stride, KvPool kv, Rows kv_rows, \
+      int splits, float *partial, unsigned *tickets
+#define RELGEN_MMA_ARGS \
+  x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, splits, partial, tickets
+// 32 x 32 tiles: few registers, 6-7 blocks a SM, for the decode steps' few rows.
+__global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(RELGEN_MMA_PARAMS) {
+  LinearMmaTile<32, 32>(RELGEN_MMA_ARGS);
+}
+// 64 x 64 tiles: four accumulators a warp and 41 KB of shared memory, 4 blocks a SM.
+__global__ void __launch_bounds__(32 * kMmaWarps, 4) LinearMmaWideKernel(RELGEN_MMA_PARAMS) {
+  LinearMmaTile<64, 64>(RELGEN_MMA_ARGS);
+}
+#undef RELGEN_MMA_PARAMS
+#undef RELGEN_MMA_ARGS
 
 }  // namespace
 
@@ -300,11 +344,20 @@ cudaError_t LaunchLinear(const float* x, int rows, int in, const TW* w, int out,
       const int splits = LinearMmaSplits(in, out, batch);
       if (splits > 1 && (workspace == nullptr || tickets == nullptr)) return cudaErrorInvalidValue;
       // Row tiles adjacent in launch order: the tiles reading one weight tile run together, so it
-      // comes from DRAM once and from L2 for the rest.
-      const dim3 grid(Blocks(rows, 32), Blocks(out, 32), batch * splits);
-      RELGEN_LAUNCH(LinearMmaKernel, grid, 32 * kMmaWarps, 0, s)(x, rows, in, w, out, bias, act, residual, alpha, y,
-                                                                  w_stride, bias_stride, y_stride, kv, kv_rows,
-                                                                  splits, workspace, tickets);
+      // comes from DRAM once and from L2 for the rest. From 64 rows, 64 x 64 tiles: each weight
+      // tile is read by half as many blocks and each x row by half as many, so half the traffic
+      // from L2 per product. The bits are the same either way (each output's k order is).
+      if (rows >= kMmaWideRows) {
+        const dim3 grid(Blocks(rows, 64), Blocks(out, 64), batch * splits);
+        RELGEN_LAUNCH(LinearMmaWideKernel, grid, 32 * kMmaWarps, 0, s)(
+            x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, splits,
+            workspace, tickets);
+      } else {
+        const dim3 grid(Blocks(rows, 32), Blocks(out, 32), batch * splits);
+        RELGEN_LAUNCH(LinearMmaKernel, grid, 32 * kMmaWarps, 0, s)(
+            x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, splits,
+            workspace, tickets);
+      }
       return cudaGetLastError();
     }
   }
