@@ -83,6 +83,10 @@ ABSL_FLAG(std::string, cuda_gemm, "auto",
           "launch), cublas (cuBLAS: bf16 weights on its tensor-core GEMM with activations rounded to bf16, float32 "
           "weights by SGEMM; fast prefills, but a row's bits may change with the rows batched with it) or mma (relgen's "
           "tensor-core kernel over bf16 weights, activations rounded to bf16, rows batch invariant)");
+ABSL_FLAG(std::string, cuda_attention, "simt",
+          "the CUDA backend's attention: simt (relgen's float32 kernels over the cache, any head size) or mma "
+          "(tensor cores where the cache is bf16 and head_dim is 64 or 128: q, the relative tables' rows and the "
+          "softmax weights rounded to bf16; prefill and decode give the same bits; other layers keep simt)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_encoder_tokens, 2048,
@@ -259,6 +263,7 @@ int ReadOptions(Options* out) {
   o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
   o.activations_dtype = absl::GetFlag(FLAGS_activations_dtype);
   o.cuda_gemm = absl::GetFlag(FLAGS_cuda_gemm);
+  o.cuda_attention = absl::GetFlag(FLAGS_cuda_attention);
   o.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.max_encoder_tokens = absl::GetFlag(FLAGS_max_encoder_tokens);
@@ -428,6 +433,7 @@ absl::StatusOr<Loaded> LoadEngine(const Options& o, std::shared_ptr<EngineObserv
   dev.kv_cache_dtype = o.kv_cache_dtype;
   dev.activations_dtype = o.activations_dtype;
   dev.cuda_gemm = o.cuda_gemm;
+  dev.cuda_attention = o.cuda_attention;
   dev.max_step_tokens = o.max_batch_tokens;
   dev.max_step_encoder_tokens = o.max_encoder_tokens;
   dev.max_step_seqs = o.max_num_seqs;

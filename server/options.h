@@ -17,7 +17,8 @@ struct Options {
   std::string weights_dtype = "f32";     // dense weights on the CPU: f32, bf16, int8
   std::string kv_cache_dtype = "f32";    // K/V cache (CPU and CUDA): f32, bf16
   std::string activations_dtype = "f32";  // CPU projections' inputs: f32, bf16
-  std::string cuda_gemm = "auto";  // CUDA projections: auto, invariant (relgen's kernel), cublas or mma
+  std::string cuda_gemm = "auto";
+  std::string cuda_attention = "simt";  // CUDA attention: simt (float32 kernels) or mma (tensor cores)  // CUDA projections: auto, invariant (relgen's kernel), cublas or mma
   int max_num_seqs = 64;
   int max_batch_tokens = 512;
   int max_encoder_tokens = 2048;

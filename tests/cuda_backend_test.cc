@@ -293,6 +293,245 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{relpos::Scheme::kShaw, 6, 0, true, 45, 5, 20}, AttnCase{relpos::Scheme::kSkew, 30, 0, false, 40, 3, 7}));
 #endif
 
+// cuda::AttentionMma, attention on tensor cores, against the CPU twin with the same bf16 cache:
+// within the bound its roundings allow (u = 2^-8 each; decoder_kernels.h), derived here per (row,
+// head, dim) from the case's own data:
+//   each score moves by at most delta = scale * u * max_j sum_d |q_d k'_jd|
+//                                      + c * (2u + u^2) * max_e sum_d |q_d e_d|  (skew, Shaw keys)
+//   (k' the cache's bf16 key, e any E row, c the relative term's factor); each weight's ratio to
+//   the twin's then lies within e^(+-2 delta) and its bf16 rounding multiplies it by 1 +- u, so
+//   |out - want| <= (e^(2 delta) (1 + u) - 1) * max_j |v'_jd + x_jd|  (x: Shaw's value rows),
+// plus float32's summation noise (1e-4 relative). And bit for bit: prefill (16 rows a block) ==
+// decode (a row a block) over the whole sequence, and every row of a mixed step (runs of two
+// sequences reading the same pool, single rows, a window start inside a run) == that row decoded
+// alone; the pool is poisoned (NaN) past what the step wrote.
+struct MmaAttnCase {
+  relpos::Scheme scheme;
+  int param;  // skew M / Shaw k
+  int block_length;
+  bool values;
+  int length;
+  int block_size;
+  int head_dim;
+  bool bidirectional = false;
+};
+
+class CudaAttentionMmaTest : public ::testing::TestWithParam<MmaAttnCase> {};
+
+TEST_P(CudaAttentionMmaTest, WithinTheBf16BoundAndTheSameBitsHoweverBatched) {
+  REQUIRE_GPU();
+  const MmaAttnCase p = GetParam();
+  const int H = 2, hd = p.head_dim, W = H * hd, L = OnThreads() ? std::min(p.length, 12) : p.length, bs = p.block_size;
+  const int nblocks = (L + bs - 1) / bs;
+  const float scale = 1.f / std::sqrt(float(hd));
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd;
+  auto randv = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = nd(rng);
+    return v;
+  };
+  const std::vector<float> q = randv(size_t(L) * W), k = randv(size_t(L) * W), v = randv(size_t(L) * W);
+  const int rows = p.scheme == relpos::Scheme::kShaw ? 2 * p.param + 1 : std::max(p.param, 1);
+  const std::vector<float> tk = randv(size_t(H) * rows * hd), tv = randv(size_t(H) * rows * hd), t5 = randv(H * 32);
+  const std::vector<int32_t> t5_table =
+      p.bidirectional ? relpos::T5SignedBucketTable(32, 40) : relpos::T5BucketTable(32, 40, false);
+  const std::vector<float> slopes = relpos::AlibiSlopes(H);
+  std::vector<int32_t> table(nblocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+
+  cpu::RelativeParams crel;
+  crel.scheme = p.scheme;
+  crel.table_k = tk.data();
+  crel.table_v = p.values ? tv.data() : nullptr;
+  crel.rows = rows;
+  crel.clip_k = p.param;
+  crel.block_length = p.block_length;
+  crel.t5_bias = t5.data();
+  crel.t5_num_buckets = 32;
+  crel.t5_bucket_of_distance = t5_table.data();
+  crel.t5_table_len = static_cast<int>(t5_table.size());
+  crel.alibi_slopes = slopes.data();
+  const cpu::AttentionDims dims{H, hd, scale};
+  std::vector<uint16_t> kpool16(size_t(nblocks) * H * bs * hd), vpool16(kpool16.size());
+  cpu::KvView view16{kpool16.data(), vpool16.data(), table.data(), bs, H, hd, cpu::KvType::kBf16};
+  cpu::WriteKv(view16, k.data(), v.data(), 0, L);
+  std::vector<float> want(size_t(L) * W);
+  if (p.bidirectional) {
+    cpu::AttentionBidirectional(dims, crel, view16, q.data(), L, want.data());
+  } else {
+    cpu::AttentionPrefill(dims, crel, view16, q.data(), 0, L, want.data());
+  }
+  const bool rel_k = p.scheme == relpos::Scheme::kSkew || p.scheme == relpos::Scheme::kSkewLocal ||
+                     p.scheme == relpos::Scheme::kShaw;
+  std::vector<double> bound(size_t(L) * W);
+  for (int h = 0; h < H; ++h) {
+    double qe = 0;  // max over rows i and E rows of sum_d |q_d e_d|, per row below
+    std::vector<double> vmax(hd, 0.0);
+    auto widen = [](float x) { return double(testing::Bf16Value(x)); };
+    for (int i = 0; i < L; ++i) {
+      const size_t at = size_t(i) * W + h * hd;
+      const int last = p.bidirectional ? L - 1 : i;
+      std::fill(vmax.begin(), vmax.end(), 0.0);
+      double dotmax = 0;
+      for (int j = 0; j <= last; ++j) {
+        double sum = 0;
+        for (int d = 0; d < hd; ++d) {
+          sum += std::abs(double(q[at + d]) * widen(k[size_t(j) * W + h * hd + d]));
+          vmax[d] = std::max(vmax[d], std::abs(widen(v[size_t(j) * W + h * hd + d])));
+        }
+        dotmax = std::max(dotmax, sum);
+      }
+      qe = 0;
+      for (int e = 0; rel_k && e < rows; ++e) {
+        double sum = 0;
+        for (int d = 0; d < hd; ++d) sum += std::abs(double(q[at + d]) * tk[(size_t(h) * rows + e) * hd + d]);
+        qe = std::max(qe, sum);
+      }
+      const double u = kBf16Roundoff;
+      const double delta = scale * u * dotmax + scale * (2 * u + u * u) * qe;
+      for (int d = 0; d < hd; ++d) {
+        double extra = 0;
+        for (int e = 0; p.values && e < rows; ++e) extra = std::max(extra, std::abs(double(tv[(size_t(h) * rows + e) * hd + d])));
+        bound[at + d] = (std::exp(2 * delta) * (1 + u) - 1) * (vmax[d] + extra);
+      }
+    }
+  }
+
+  cuda::Relative grel;
+  grel.scheme = p.scheme;
+  grel.table_k = Upload(tk);
+  grel.table_v = p.values ? Upload(tv) : nullptr;
+  grel.rows = rows;
+  grel.clip_k = p.param;
+  grel.block_length = p.block_length;
+  grel.t5_bias = Upload(t5);
+  grel.t5_num_buckets = 32;
+  grel.t5_bucket_of_distance = Upload(t5_table);
+  grel.t5_table_len = static_cast<int>(t5_table.size());
+  grel.alibi_slopes = Upload(slopes);
+  std::vector<int32_t> position(L), offset(L, 0), keys(L, L);
+  std::iota(position.begin(), position.end(), 0);
+  cuda::Rows r{L, Upload(position), Upload(offset), Upload(table), p.bidirectional ? Upload(keys) : nullptr};
+  // The mixed step: runs of A, of B (the same pool through another table), single rows. B's last
+  // block is A's, so B too sees written keys only: a 16-row tile multiplies every key below its
+  // rows' last end (with weight 0 past a row's own), which the engine has always written.
+  std::vector<int32_t> table_b = table;
+  std::shuffle(table_b.begin(), table_b.end() - 1, rng);
+  std::vector<int32_t> both = table;
+  both.insert(both.end(), table_b.begin(), table_b.end());
+  std::vector<int32_t> mixed_position, mixed_offset;
+  auto add = [&](int from, int to, int seq) {
+    for (int pos = from; pos < std::min(to, L); ++pos) {
+      mixed_position.push_back(pos);
+      mixed_offset.push_back(seq * nblocks);
+    }
+  };
+  if (!OnThreads()) {
+    add(3, 43, 0);
+    add(0, 6, 1);
+    add(L - 1, L, 0);
+    add(L / 2, L / 2 + 1, 0);
+    add(std::max(0, L - 21), L, 1);
+    add(0, 3, 0);
+  } else {
+    add(2, 7, 1);
+    add(L - 1, L, 0);
+  }
+  const int M = static_cast<int>(mixed_position.size());
+  std::vector<float> mixed_q;
+  for (const int pos : mixed_position) mixed_q.insert(mixed_q.end(), q.begin() + size_t(pos) * W, q.begin() + size_t(pos + 1) * W);
+  std::vector<int32_t> mixed_keys(M, L);
+  cuda::Rows mixed{M, Upload(mixed_position), Upload(mixed_offset), Upload(both),
+                   p.bidirectional ? Upload(mixed_keys) : nullptr};
+  float* dq = Upload(q);
+  float* dmq = Upload(mixed_q);
+  const size_t pool_bytes = kpool16.size() * 2;
+  cuda::KvPool pool{Upload(std::vector<uint8_t>(pool_bytes, 0xff)), Upload(std::vector<uint8_t>(pool_bytes, 0xff)),
+                    bs, H, hd, cuda::KvElem::kBf16};
+  ASSERT_TRUE(cuda::AttentionMmaSupported(pool));
+  ASSERT_EQ(cudaMemcpy(pool.k, kpool16.data(), pool_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(pool.v, vpool16.data(), pool_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  // Poison what no row may read: the pool's blocks past the sequence's last position.
+  for (int pos = L; pos < nblocks * bs; ++pos) {
+    for (int h = 0; h < H; ++h) {
+      const size_t at = ((size_t(table[pos / bs]) * H + h) * bs + pos % bs) * hd;
+      ASSERT_EQ(cudaMemset(static_cast<uint16_t*>(pool.k) + at, 0xff, hd * 2), cudaSuccess);
+      ASSERT_EQ(cudaMemset(static_cast<uint16_t*>(pool.v) + at, 0xff, hd * 2), cudaSuccess);
+    }
+  }
+  // Several splits, and (not on threads, where a block is 128 OS threads) one split.
+  std::vector<int> splits = {OnThreads() ? 4 : 40};
+  if (!OnThreads()) splits.push_back(L);
+  for (const int kps : splits) {
+    SCOPED_TRACE(::testing::Message() << "keys per split " << kps);
+    float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(std::max(L, M), H, hd, L, kps), 1)));
+    auto run = [&](const float* dq_rows, const cuda::Rows& rs, int n, bool tiled) {
+      float* o = Upload(std::vector<float>(size_t(n) * W, NAN));
+      EXPECT_EQ(cuda::AttentionMma(dq_rows, rs, L, scale, grel, pool, o, work, kps, nullptr, tiled, p.bidirectional),
+                cudaSuccess);
+      std::vector<float> host(size_t(n) * W);
+      EXPECT_EQ(cudaMemcpy(host.data(), o, host.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      cudaFree(o);
+      return host;
+    };
+    const std::vector<float> decode = run(dq, r, L, false);
+    double moved = 0;
+    for (size_t i = 0; i < decode.size(); ++i) {
+      ASSERT_LE(std::abs(double(decode[i]) - want[i]), bound[i] + 1e-4 * (1 + std::abs(want[i]))) << "element " << i;
+      moved = std::max(moved, std::abs(double(decode[i]) - want[i]));
+    }
+    EXPECT_GT(moved, 1e-4) << "q and the weights in bf16: the tensor-core path in effect";
+    const std::vector<float> prefill = run(dq, r, L, true);
+    ASSERT_EQ(std::memcmp(prefill.data(), decode.data(), decode.size() * sizeof(float)), 0) << "prefill vs decode";
+    if (M > 0) {
+      const std::vector<float> mixed_rows = run(dmq, mixed, M, false), mixed_tiled = run(dmq, mixed, M, true);
+      for (int i = 0; i < M; ++i) {
+        SCOPED_TRACE(::testing::Message() << "mixed row " << i << " (position " << mixed_position[i]
+                                          << (mixed_offset[i] > 0 ? ", B)" : ", A)"));
+        ASSERT_EQ(std::memcmp(&mixed_tiled[size_t(i) * W], &mixed_rows[size_t(i) * W], W * sizeof(float)), 0);
+        if (mixed_offset[i] == 0) {  // B's keys are other positions' rows of the pool
+          ASSERT_EQ(std::memcmp(&mixed_rows[size_t(i) * W], &decode[size_t(mixed_position[i]) * W], W * sizeof(float)), 0);
+        }
+      }
+    }
+    cudaFree(work);
+  }
+}
+
+// Head sizes 64 and 128 (bloom-560m and flan-t5-base; mpt-7b), every scheme: skew with M below and
+// above the length, local attention (window starts inside the 16-row tiles), Shaw clipped on both
+// sides with and without value rows, T5 past its table, ALiBi, the encoder's signed T5 buckets.
+INSTANTIATE_TEST_SUITE_P(
+    Schemes, CudaAttentionMmaTest,
+    ::testing::Values(MmaAttnCase{relpos::Scheme::kNone, 0, 0, false, 77, 16, 64},
+                      MmaAttnCase{relpos::Scheme::kSkew, 20, 0, false, 70, 16, 64},
+                      MmaAttnCase{relpos::Scheme::kSkew, 100, 0, false, 90, 8, 128},
+                      MmaAttnCase{relpos::Scheme::kSkewLocal, 24, 16, false, 75, 16, 64},
+                      MmaAttnCase{relpos::Scheme::kShaw, 6, 0, true, 70, 16, 64},
+                      MmaAttnCase{relpos::Scheme::kShaw, 9, 0, false, 66, 16, 128},
+                      MmaAttnCase{relpos::Scheme::kT5, 0, 0, false, 99, 16, 64},
+                      MmaAttnCase{relpos::Scheme::kAlibi, 0, 0, false, 81, 16, 128},
+                      MmaAttnCase{relpos::Scheme::kT5, 0, 0, false, 60, 16, 64, true},
+                      MmaAttnCase{relpos::Scheme::kNone, 0, 0, false, 50, 16, 128, true}));
+
+// What the tensor-core kernel does not take is refused, not computed some other way.
+TEST(CudaKernelsTest, AttentionMmaRefusesWhatItDoesNotTake) {
+  REQUIRE_GPU();
+  cuda::KvPool f32{nullptr, nullptr, 16, 2, 64, cuda::KvElem::kF32}, hd80{nullptr, nullptr, 16, 2, 80, cuda::KvElem::kBf16};
+  EXPECT_FALSE(cuda::AttentionMmaSupported(f32));
+  EXPECT_FALSE(cuda::AttentionMmaSupported(hd80));
+  cuda::Rows none;
+  EXPECT_EQ(cuda::AttentionMma(nullptr, none, 0, 1.f, cuda::Relative{}, f32, nullptr, nullptr, 128, nullptr, true),
+            cudaErrorInvalidValue);
+  cuda::KvPool ok{nullptr, nullptr, 16, 2, 64, cuda::KvElem::kBf16};
+  cuda::Relative skew;
+  skew.scheme = relpos::Scheme::kSkew;
+  EXPECT_EQ(cuda::AttentionMma(nullptr, none, 0, 1.f, skew, ok, nullptr, nullptr, 128, nullptr, true, true),
+            cudaErrorInvalidValue);
+}
+
 // A golden case's first `len` tokens and their float64 logits [len, vocab].
 struct Golden {
   std::vector<int32_t> tokens;
@@ -580,6 +819,55 @@ TEST(CudaTensorCoresTest, RangesOfKMatchTheCpuTwin) {
       /*some_rows_equal=*/false);
   ASSERT_EQ(runs.size(), 2u);
   EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0);
+}
+
+// The backend with attention on tensor cores (--cuda_attention mma) on a model of head_dim 64 with
+// the bf16 cache: a prompt whole, token by token and in chunks of 5 gives the same logits bit for
+// bit; and they stay near float32 attention over the same cache: at most 4x as far as the cache's
+// own rounding moves the CPU's logits (q and the weights are rounded as K and V are: twice the
+// cache's roundings, to first order, and a margin).
+TEST(CudaTensorCoresTest, AttentionOnTensorCoresPrefillEqualsDecode) {
+  REQUIRE_GPU();
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/server");
+  ASSERT_EQ(model->config().head_dim, 64) << "the case needs a head size the kernel takes";
+  std::vector<int32_t> tokens(kSanitized ? 9 : 40);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((53 * i + 7) % 256);
+  const int n = static_cast<int>(tokens.size()), vocab = model->config().vocab_size;
+  auto logits = [&](bool mma, int chunk) {
+    CudaOptions o;
+    o.num_blocks = 64;
+    o.kv_type = cpu::KvType::kBf16;
+    o.attention_tensor_cores = mma;
+    auto backend = NewCudaBackend(model, o);
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    return backend.ok() ? ForwardInChunks(**backend, tokens, chunk) : std::vector<float>{};
+  };
+  const std::vector<float> whole = logits(true, n);
+  ASSERT_EQ(whole.size(), size_t(n) * vocab);
+  for (const int chunk : {1, 5}) {
+    const std::vector<float> got = logits(true, chunk);
+    ASSERT_EQ(got.size(), whole.size());
+    EXPECT_EQ(std::memcmp(got.data(), whole.data(), whole.size() * sizeof(float)), 0) << "chunks of " << chunk;
+  }
+  const std::vector<float> simt = logits(false, n);
+  const KvCacheConfig kv{16, 64};
+  auto cpu16 = NewCpuBackend(model, kv, 1, cpu::WeightType::kF32, cpu::KvType::kBf16);
+  auto cpu32 = NewCpuBackend(model, kv, 1, cpu::WeightType::kF32, cpu::KvType::kF32);
+  ASSERT_TRUE(cpu16.ok() && cpu32.ok());
+  const double cache_rounding =
+      WorstRowError(ForwardInChunks(**cpu16, tokens, n), ForwardInChunks(**cpu32, tokens, n), vocab);
+  ASSERT_GT(cache_rounding, 0);
+  const double moved = WorstRowError(whole, simt, vocab);
+  EXPECT_GT(moved, 0) << "the tensor-core kernel in effect";
+  EXPECT_LE(moved, 4 * cache_rounding);
+  // A float32 cache is refused, naming the way out.
+  CudaOptions f32;
+  f32.num_blocks = 64;
+  f32.attention_tensor_cores = true;
+  const auto refused = NewCudaBackend(model, f32);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(refused.status().message()).find("--kv_cache_dtype bf16"), std::string::npos)
+      << refused.status();
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, CudaParityTest, ::testing::ValuesIn(testing::GoldenCases()), [](const auto& i) { return i.param; });

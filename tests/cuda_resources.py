@@ -88,6 +88,9 @@ BUDGETS = {
     "AttentionKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps; causal and bidirectional
     "AttentionTileKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (4 query rows of state per lane)
     "CombineKernel": Budget(threads=64, regs=64),  # >= 50%: 16 blocks x 2 warps
+    # kernels/cuda/attention_mma.cu: >= 25%: 4 blocks x 4 warps (41 KB of shared memory at head_dim
+    # 128 allows 5 a SM on sm_90); the row's 16 output elements a thread and the fragments
+    "AttentionMmaKernel": Budget(threads=128, regs=128),
     "LinearKernel": Budget(threads=128, regs=128),  # >= 25%: 4 blocks x 4 warps (loads in flight over occupancy)
     # >= 37.5%: 6 blocks x 4 warps (tensor cores; 64 registers spill on sm_90 since the 64-deep staging)
     "LinearMmaKernel": Budget(threads=128, regs=80),

@@ -932,7 +932,8 @@ TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
        {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed auto, f32, bf16, int8"},
         std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed auto, f32, bf16"},
         std::tuple{&DeviceOptions::activations_dtype, "fp16", "--activations_dtype fp16: allowed f32, bf16"},
-        std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed auto, invariant, cublas, mma"}}) {
+        std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed auto, invariant, cublas, mma"},
+        std::tuple{&DeviceOptions::cuda_attention, "flash", "--cuda_attention flash: allowed simt, mma"}}) {
     DeviceOptions o;
     o.device = "cpu";
     o.kv_cache_tokens = 1024;

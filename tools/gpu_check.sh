@@ -47,6 +47,7 @@
 #   GPU_CHECK_TEST_FILTER     gtest filter of cuda_backend_test (default: every test)
 #   GPU_CHECK_SANITIZE_FILTER gtest filter of the compute-sanitizer stages (default: the tensor-core tests)
 #   GPU_CHECK_SERVE_GEMM=mma  relgen-server's --cuda_gemm in the serve stages
+#   GPU_CHECK_MMA_ATTENTION=mma  --cuda_attention of the mma stages (the others: simt)
 #   GPU_CHECK_PYTHON=python3  the Python with torch and transformers for hf_peer.py
 #   GPU_CHECK_WORK=/tmp       where the pack is unpacked (relgen-gpu/) and shapes are made (shapes/)
 #   GPU_CHECK_GPU_NAME        the GPU model, where nvidia-smi is not to be asked (plan here)
@@ -246,7 +247,8 @@ plan() {
         esac
         add "${o[@]}" -n "$dir/.gpu_check_made" "relgen_${shape}_$gemm" "$lim" "${bench[@]}" engine --device cuda \
           --model "$dir" "${gb[@]}" --batches "$batches" --contexts "$CONTEXT" --steps "$STEPS" --reps 1 --peer none \
-          "${kv[@]}" --cuda_gemm "$gemm" --batch_prefill 0 --json "$OUT/relgen_${shape}_$gemm.json"
+          "${kv[@]}" --cuda_gemm "$gemm" --cuda_attention "$(attention_of "$gemm")" --batch_prefill 0 \
+          --json "$OUT/relgen_${shape}_$gemm.json"
       done
       if [ "$shape" = bloom-560m ]; then
         # The host's share of a step (issue 32): the difference in tokens/s is the host time that
@@ -289,7 +291,8 @@ plan() {
     add -n "$dir/.gpu_check_made" ncu_mpt-7b_b64 65 "${ncu:-ncu}" --clock-control none --metrics gpu__time_duration.sum \
       --csv --log-file "$OUT/ncu_mpt-7b_b64.csv" $k --kernel-name 'regex:Linear|Attention|Combine' --launch-count 4000 \
       "${bench[@]}" engine --device cuda --model "$dir" "${gb[@]}" --batches 64 --contexts "$CONTEXT" --steps 3 --reps 1 \
-      --peer none "${kv[@]}" --cuda_gemm "${GPU_CHECK_NCU_GEMM:-mma}" --batch_prefill 0
+      --peer none "${kv[@]}" --cuda_gemm "${GPU_CHECK_NCU_GEMM:-mma}" --cuda_attention "$(attention_of "${GPU_CHECK_NCU_GEMM:-mma}")" \
+      --batch_prefill 0
     [ "$KIND" = emulator ] && skip_last "no GPU: the SIMT emulator"
     [ -z "$ncu" ] && skip_last "no ncu (Nsight Compute)"
     local sf=${GPU_CHECK_SANITIZE_FILTER:-$DRY_SANITIZE_FILTER}
@@ -305,7 +308,7 @@ plan() {
       case "$gemm" in mma) lim=45 ;; invariant) lim=55 ;; *) lim=45 ;; esac
       add -n "$dir/.gpu_check_made" "relgen_mpt-7b_ctx${LONG_CONTEXT}_$gemm" "$lim" "${bench[@]}" engine --device cuda \
         --model "$dir" "${gb[@]}" --batches "${GPU_CHECK_LONG_BATCHES:-$LONG_BATCHES}" --contexts "$LONG_CONTEXT" --steps "$STEPS" \
-        --reps 1 --peer none "${kv[@]}" --cuda_gemm "$gemm" --batch_prefill 0 \
+        --reps 1 --peer none "${kv[@]}" --cuda_gemm "$gemm" --cuda_attention "$(attention_of "$gemm")" --batch_prefill 0 \
         --json "$OUT/relgen_mpt-7b_ctx${LONG_CONTEXT}_$gemm.json"
     done
   fi
@@ -550,6 +553,11 @@ settings() {
   export KIND GPU_NAME SHAPE_CONFIGS CONTEXT LONG_CONTEXT STEPS SERVE_CLIENTS SERVE_REQUESTS SERVE_PROMPT \
     SERVE_OUTPUT HF_DEVICE
 }
+
+# The attention beside each projection kind: the tensor-core runs (mma) take the tensor-core
+# attention too, so mma against invariant times the whole bf16 path against the float32 one, and
+# ncu's table holds both attention kernels' times (GPU_CHECK_MMA_ATTENTION=simt keeps the float32).
+attention_of() { if [ "$1" = mma ]; then echo "${GPU_CHECK_MMA_ATTENTION:-mma}"; else echo simt; fi; }
 
 budget_of() { case "$1" in call1) echo 480 ;; call2) echo 240 ;; *) die "no call '$1' (call1 or call2)" ;; esac; }
 

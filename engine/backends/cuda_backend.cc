@@ -450,6 +450,11 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Mo
         "--cuda_gemm mma: tensor cores multiply bf16 weights; use --weights_dtype bf16 or auto (bf16 on a GPU), "
         "or --cuda_gemm invariant");
   }
+  if (o.attention_tensor_cores && o.kv_type != KvType::kBf16) {
+    return absl::InvalidArgumentError(
+        "--cuda_attention mma: tensor cores read a bf16 cache; use --kv_cache_dtype bf16 or auto (bf16 on a GPU), "
+        "or --cuda_attention simt");
+  }
   if (device < 0 || device >= CudaDeviceCount()) {
     return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not present (", CudaDeviceCount(), " found)"));
   }

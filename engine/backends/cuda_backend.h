@@ -59,6 +59,11 @@ struct CudaOptions {
   // accumulation in a fixed order, rows batch invariant), instead of relgen's float32 kernel over the
   // widened weights. Needs weight_type kBf16.
   bool tensor_cores = false;
+  // Attention on tensor cores (cuda::AttentionMma: q, the skew / Shaw E rows and the softmax weights
+  // rounded to bf16, float accumulation; prefill and decode the same bits) wherever the pool is bf16
+  // and head_dim is 64 or 128; elsewhere (the encoder's float32 K/V, other head sizes) cuda::Attention.
+  // Needs kv_type kBf16.
+  bool attention_tensor_cores = false;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(std::shared_ptr<const Model> model, const CudaOptions& options);

@@ -274,6 +274,19 @@ class CudaBackend final : public Backend, public LogitsForward {
   }
   // Layer `layer`'s relative term (ResolveWeights).
   cuda::Relative Rel(int layer) const;
+  // Causal attention over `pool` (self- or cross-attention) into att_: on tensor cores where the
+  // options ask for it and the pool allows (CudaOptions::attention_tensor_cores), else relgen's
+  // float32 kernels.
+  cudaError_t Attend(const cuda::Rows& rows, int max_keys, const cuda::Relative& rel, const cuda::KvPool& pool,
+                     bool tiled) {
+    const float scale = model_->config().attention_scale;
+    if (options_.attention_tensor_cores && cuda::AttentionMmaSupported(pool)) {
+      return cuda::AttentionMma(q(), rows, max_keys, scale, rel, pool, att_.f(), work_.f(),
+                                options_.attention_split_keys, stream_, tiled);
+    }
+    return cuda::Attention(q(), rows, max_keys, scale, rel, pool, att_.f(), work_.f(), options_.attention_split_keys,
+                           stream_, tiled);
+  }
 
   std::shared_ptr<const Model> model_;
   CudaOptions options_;

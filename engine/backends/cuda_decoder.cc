@@ -206,8 +206,7 @@ struct CudaBackend::DecoderOps {
   }
   absl::Status Attention(int l) {
     const DeviceLayer& L = be.layers_[l];
-    RELGEN_CUDA_RETURN(cuda::Attention(be.q(), s.rows, s.max_keys, c.attention_scale, L.rel, be.Pool(l), be.att_.f(),
-                                       be.work_.f(), be.options_.attention_split_keys, be.stream_, s.tiled));
+    RELGEN_CUDA_RETURN(be.Attend(s.rows, s.max_keys, L.rel, be.Pool(l), s.tiled));
     return be.Linear(be.att_.f(), s.total, c.qkv_width(), L.o, c.d_model, be.x_.f(), -1, true);
   }
   // Every new token over all its input's keys in the pool.
@@ -215,9 +214,7 @@ struct CudaBackend::DecoderOps {
     const DeviceLayer& L = be.layers_[l];
     const int d = c.d_model, w = c.qkv_width();
     if (auto st = be.Linear(be.h_.f(), s.total, d, L.cq, w, be.q()); !st.ok()) return st;
-    RELGEN_CUDA_RETURN(cuda::Attention(be.q(), s.cross_rows, s.max_input, c.attention_scale, cuda::Relative{},
-                                       be.Pool(l), be.att_.f(), be.work_.f(), be.options_.attention_split_keys,
-                                       be.stream_, s.tiled));
+    RELGEN_CUDA_RETURN(be.Attend(s.cross_rows, s.max_input, cuda::Relative{}, be.Pool(l), s.tiled));
     return be.Linear(be.att_.f(), s.total, w, L.co, d, be.x_.f(), -1, true);
   }
   absl::Status FeedForward(int l, RowsAt in) { return be.Mlp(be.layers_[l], At(in), s.total); }

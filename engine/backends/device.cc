@@ -35,6 +35,9 @@ absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOpt
     return absl::InvalidArgumentError(
         absl::StrCat("--cuda_gemm ", o.cuda_gemm, ": allowed auto, invariant, cublas, mma"));
   }
+  if (o.cuda_attention != "simt" && o.cuda_attention != "mma") {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_attention ", o.cuda_attention, ": allowed simt, mma"));
+  }
   const bool bf16_file = model.file_dtype() == DType::kBF16;
   const bool gpu = o.device == "cuda";
   if (o.weights_dtype == "auto") {
@@ -93,6 +96,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(std::shared_ptr<const Model>
     co.kv_type = kv_type;
     co.cublas_gemms = o.cuda_gemm == "cublas";
     co.tensor_cores = o.cuda_gemm == "mma";
+    co.attention_tensor_cores = o.cuda_attention == "mma";
     co.attention_split_keys = o.cuda_split_keys;
     co.block_size = o.kv_block_size;
     // The default: most of what the weights, the largest step and the headroom leave.

@@ -31,6 +31,7 @@ struct DeviceOptions {
   // "cublas" (CudaOptions::cublas_gemms), "mma" (tensor cores over bf16 weights,
   // CudaOptions::tensor_cores), or auto (invariant until the tensor cores' kernel is timed).
   std::string cuda_gemm = "auto";
+  std::string cuda_attention = "simt";  // simt (relgen's float32 kernels) or mma (tensor cores, bf16 cache)
   int cuda_split_keys = 128;  // CudaOptions::attention_split_keys
   // The largest step the engine's scheduler forms (--max_batch_tokens, --max_num_seqs): a device
   // backend allocates its buffers at start.

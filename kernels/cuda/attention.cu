@@ -492,6 +492,13 @@ __global__ void CombineKernel(const float* workspace, int splits, int n_heads, i
 
 }  // namespace
 
+cudaError_t AttentionCombine(const float* workspace, int rows, int n_heads, int head_dim, int splits, float* out,
+                             cudaStream_t s) {
+  RELGEN_LAUNCH(CombineKernel, dim3(rows, n_heads), 64, CombinePadded(splits) * sizeof(float), s)(
+      workspace, splits, n_heads, head_dim, out);
+  return cudaGetLastError();
+}
+
 int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, int keys_per_split) {
   const int splits = (max_keys + keys_per_split - 1) / keys_per_split;
   return splits > 1 ? int64_t{rows} * n_heads * splits * (head_dim + 2) : 0;
@@ -537,9 +544,7 @@ cudaError_t LaunchAttention(const float* q, const Rows& rows, int max_keys, floa
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
-  RELGEN_LAUNCH(CombineKernel, dim3(rows.n, kv.n_heads), 64, CombinePadded(splits) * sizeof(float), s)(
-      workspace, splits, kv.n_heads, kv.head_dim, out);
-  return cudaGetLastError();
+  return AttentionCombine(workspace, rows.n, kv.n_heads, kv.head_dim, splits, out, s);
 }
 
 }  // namespace

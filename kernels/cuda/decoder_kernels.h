@@ -137,6 +137,25 @@ cudaError_t Attention(const float* q, const Rows& rows, int max_keys, float scal
                       const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t stream,
                       bool tiled = false);
 int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, int keys_per_split);
+// The merge of key splits both attention kernels end with: per (row, head) the splits' partial
+// states in `workspace` (each m, l, then head_dim sums; m = -inf: a split with no keys) into out.
+cudaError_t AttentionCombine(const float* workspace, int rows, int n_heads, int head_dim, int splits, float* out,
+                             cudaStream_t stream);
+// Attention and AttentionBidirectional (`bidirectional`) on tensor cores, for a bf16 pool of head_dim
+// 64 or 128 (AttentionMmaSupported; cudaErrorInvalidValue otherwise): q rounded to bf16 (nearest
+// even), q . K, skew's and Shaw's q . E (E's rows rounded to bf16) and P . V (each weight rounded to
+// bf16) in m16n16k16 products with float accumulation in k order, the softmax, ALiBi, T5 and
+// Shaw's value rows in float32. Keys in tiles of 32 from each split's first key, query rows in
+// tiles of 16 of one sequence (`tiled`: up to 16 consecutive rows a block; else one, the tile's
+// other rows zero): a row's output is the same bits whichever rows share its tile, so prefill,
+// chunked prefill and decode agree bit for bit. It differs from Attention's by the roundings: each
+// score by at most scale * 2^-8 * sum_d |q_d k_d| (plus, for skew and Shaw, the factor on the
+// relative term times (2^-8 + 2^-16 + 2^-8) sum_d |q_d e_d|), each weight by a further factor
+// within 1 +- 2^-8. Splits, workspace and max_keys as Attention's.
+bool AttentionMmaSupported(const KvPool& kv);
+cudaError_t AttentionMma(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
+                         const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t stream,
+                         bool tiled, bool bidirectional = false);
 // Bidirectional self-attention (an encoder; cpu::AttentionBidirectional): row r, at position
 // rows.position[r], attends every key 0..rows.keys[r]-1 of its sequence's cache, before and after
 // it, with no causal mask. Relative terms: kNone, or kT5 with `t5_bucket_of_distance` the signed

@@ -138,6 +138,7 @@ std::unique_ptr<Backend> MakeBackend(const std::shared_ptr<const Model>& model, 
   d.weights_dtype = cpu::WeightTypeName(o.weights);
   d.kv_cache_dtype = cpu::KvTypeName(o.kv_type);
   d.cuda_gemm = o.cuda_gemm;
+  d.cuda_attention = o.cuda_attention;
   d.cuda_split_keys = o.cuda_split_keys;
   // The largest prefill, or a decode step of the largest batch where that has more rows.
   d.max_step_tokens = std::max(max_batch, (o.batch_prefill ? max_batch : 1) * (c.encoder_decoder ? 1 : max_context));
@@ -468,6 +469,7 @@ int RunEngineBench(const EngineBenchOptions& o) {
                                        {"gemm_flops", gemm_flops}, {"roofline_flops", flops},
                                        {"roofline_source", gpu ? "--device_GBps" : o.machine.empty() ? "own probes" : o.machine},
                                        {"device", o.device}, {"cuda_gemm", gpu ? json(o.cuda_gemm) : json(nullptr)},
+                                       {"cuda_attention", gpu ? json(o.cuda_attention) : json(nullptr)},
                                        {"cuda_split_keys", gpu ? json(o.cuda_split_keys) : json(nullptr)},
                                        {"threads", threads}, {"peer", peer ? peer_name : "none"},
                                        {"weights_dtype", cpu::WeightTypeName(o.weights)},

@@ -35,6 +35,7 @@ struct EngineBenchOptions {
   std::string device = "cpu";
   double device_gbps = 0;
   std::string cuda_gemm = "invariant";  // the CUDA projections: invariant or cublas
+  std::string cuda_attention = "simt";  // the CUDA attention: simt or mma
   int cuda_split_keys = 128;             // keys per attention block on CUDA
   // Times the whole batch's prefill in one call (which fills every cache); false skips it and decodes
   // over the pool as it is (a large model's batched prefill on a slow path outlasts its decode).

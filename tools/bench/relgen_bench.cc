@@ -34,7 +34,7 @@ int Usage(bool asked = false) {
                "                           [--peer_compute_type float32|int8|int8_float32|bfloat16] [--json FILE]\n"
                "                           [--weights_dtype f32|bf16|int8] [--kv_cache_dtype f32|bf16] [--machine FILE]\n"
                "                           [--activations_dtype f32|bf16]   (cpu)\n"
-               "                           [--device cpu|cuda[:N] [--device_GBps 3350] [--cuda_gemm invariant|cublas|mma]\n"
+               "                           [--device cpu|cuda[:N] [--device_GBps 3350] [--cuda_gemm invariant|cublas|mma] [--cuda_attention simt|mma]\n"
                "                           [--cuda_split_keys 128]]   (cuda: --peer torch|none) [--batch_prefill 1|0]\n"
                "       relgen-bench machine [--threads 0] [--reps 7] [--json FILE]   (bounds for --machine)\n"
                "       relgen-bench sample [--vocab 250880] [--rows 16] [--threads 0] [--reps 21]   (host sampler per control)\n"
@@ -138,6 +138,7 @@ int main(int argc, char** argv) {
       else if (f == "--device") ok = (o.device = v) == "cpu" || v == "cuda" || v.rfind("cuda:", 0) == 0;
       else if (f == "--device_GBps") ok = absl::SimpleAtod(v, &o.device_gbps) && o.device_gbps > 0;
       else if (f == "--cuda_gemm") ok = (o.cuda_gemm = v) == "invariant" || v == "cublas" || v == "mma";
+      else if (f == "--cuda_attention") ok = (o.cuda_attention = v) == "simt" || v == "mma";
       else if (f == "--cuda_split_keys") ok = absl::SimpleAtoi(v, &o.cuda_split_keys) && o.cuda_split_keys > 0;
       else if (f == "--batch_prefill") ok = (v == "0" || v == "1") && (o.batch_prefill = v == "1", true);
       else ok = false;
