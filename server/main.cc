@@ -85,7 +85,7 @@ ABSL_FLAG(std::string, cuda_gemm, "auto",
           "tensor-core kernel over bf16 weights, activations rounded to bf16, rows batch invariant)");
 ABSL_FLAG(std::string, cuda_attention, "simt",
           "the CUDA backend's attention: simt (relgen's float32 kernels over the cache, any head size) or mma "
-          "(tensor cores where the cache is bf16 and head_dim is 64 or 128: q, the relative tables' rows and the "
+          "(tensor cores where the cache is bf16 and head_dim is 16, 32, 64 or 128: q, the relative tables' rows and the "
           "softmax weights rounded to bf16; prefill and decode give the same bits; other layers keep simt)");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");

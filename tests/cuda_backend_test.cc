@@ -461,9 +461,10 @@ TEST_P(CudaAttentionMmaTest, WithinTheBf16BoundAndTheSameBitsHoweverBatched) {
       ASSERT_EQ(cudaMemset(static_cast<uint16_t*>(pool.v) + at, 0xff, hd * 2), cudaSuccess);
     }
   }
-  // Several splits, and (not on threads, where a block is 128 OS threads) one split.
+  // Several splits, and (not on threads, where a block is 128 OS threads, nor under a sanitizer)
+  // one split.
   std::vector<int> splits = {OnThreads() ? 4 : 40};
-  if (!OnThreads()) splits.push_back(L);
+  if (!OnThreads() && !kSanitized) splits.push_back(L);
   for (const int kps : splits) {
     SCOPED_TRACE(::testing::Message() << "keys per split " << kps);
     float* work = Upload(std::vector<float>(std::max<int64_t>(cuda::AttentionWorkspace(std::max(L, M), H, hd, L, kps), 1)));
@@ -500,7 +501,7 @@ TEST_P(CudaAttentionMmaTest, WithinTheBf16BoundAndTheSameBitsHoweverBatched) {
   }
 }
 
-// Head sizes 64 and 128 (bloom-560m and flan-t5-base; mpt-7b), every scheme: skew with M below and
+// Head sizes 64 and 128 (bloom-560m and flan-t5-base; mpt-7b), and 16 and 32, every scheme: skew with M below and
 // above the length, local attention (window starts inside the 16-row tiles), Shaw clipped on both
 // sides with and without value rows, T5 past its table, ALiBi, the encoder's signed T5 buckets.
 INSTANTIATE_TEST_SUITE_P(
@@ -514,7 +515,9 @@ INSTANTIATE_TEST_SUITE_P(
                       MmaAttnCase{relpos::Scheme::kT5, 0, 0, false, 99, 16, 64},
                       MmaAttnCase{relpos::Scheme::kAlibi, 0, 0, false, 81, 16, 128},
                       MmaAttnCase{relpos::Scheme::kT5, 0, 0, false, 60, 16, 64, true},
-                      MmaAttnCase{relpos::Scheme::kNone, 0, 0, false, 50, 16, 128, true}));
+                      MmaAttnCase{relpos::Scheme::kNone, 0, 0, false, 50, 16, 128, true},
+                      MmaAttnCase{relpos::Scheme::kSkewLocal, 40, 8, false, 60, 8, 16},
+                      MmaAttnCase{relpos::Scheme::kShaw, 5, 0, true, 55, 16, 32}));
 
 // What the tensor-core kernel does not take is refused, not computed some other way.
 TEST(CudaKernelsTest, AttentionMmaRefusesWhatItDoesNotTake) {
@@ -821,17 +824,55 @@ TEST(CudaTensorCoresTest, RangesOfKMatchTheCpuTwin) {
   EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0);
 }
 
-// The backend with attention on tensor cores (--cuda_attention mma) on a model of head_dim 64 with
-// the bf16 cache: a prompt whole, token by token and in chunks of 5 gives the same logits bit for
-// bit; and they stay near float32 attention over the same cache: at most 4x as far as the cache's
-// own rounding moves the CPU's logits (q and the weights are rounded as K and V are: twice the
-// cache's roundings, to first order, and a margin).
-TEST(CudaTensorCoresTest, AttentionOnTensorCoresPrefillEqualsDecode) {
-  REQUIRE_GPU();
-  auto model = *Model::Load(testing::GoldenDir() + "/engine/server");
-  ASSERT_EQ(model->config().head_dim, 64) << "the case needs a head size the kernel takes";
-  std::vector<int32_t> tokens(kSanitized ? 9 : 40);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((53 * i + 7) % 256);
+// A checkpoint's cases with attention on tensor cores (bf16 cache) against the CPU twin with the
+// same bf16 cache: at most 4x as far as that cache's own rounding moves the CPU's logits from the
+// float32 cache's (q and the weights are rounded as K and V are: twice the cache's roundings, to
+// first order, and a margin). Where the checkpoint's head size is one the kernel does not take, the
+// float32 kernels run: the same bits as without the option. `run` gives a backend's logits for a case.
+template <typename Case, typename Run>
+void ExpectAttentionOnTensorCoresNearTheTwin(const std::shared_ptr<const Model>& model, const std::vector<Case>& cases,
+                                             int blocks, const std::string& what, Run run) {
+  auto cuda_backend = [&](bool mma) {
+    CudaOptions o;
+    o.num_blocks = blocks;
+    o.kv_type = cpu::KvType::kBf16;
+    o.attention_tensor_cores = mma;
+    return NewCudaBackend(model, o);
+  };
+  auto mma = cuda_backend(true), simt = cuda_backend(false);
+  ASSERT_TRUE(mma.ok() && simt.ok());
+  const KvCacheConfig kv{16, blocks};
+  auto cpu16 = NewCpuBackend(model, kv, 1, cpu::WeightType::kF32, cpu::KvType::kBf16);
+  auto cpu32 = NewCpuBackend(model, kv, 1, cpu::WeightType::kF32, cpu::KvType::kF32);
+  ASSERT_TRUE(cpu16.ok() && cpu32.ok());
+  const bool taken = cuda::AttentionMmaSupported(
+      cuda::KvPool{nullptr, nullptr, 16, model->config().n_heads, model->config().head_dim, cuda::KvElem::kBf16});
+  const int vocab = model->config().vocab_size;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string name = what + " case " + std::to_string(i);
+    const std::vector<float> got = run(**mma, cases[i], name);
+    ASSERT_FALSE(got.empty()) << name;
+    if (!taken) {
+      const std::vector<float> simt_got = run(**simt, cases[i], name + " (float32 attention)");
+      ASSERT_EQ(got.size(), simt_got.size()) << name;
+      EXPECT_EQ(std::memcmp(got.data(), simt_got.data(), got.size() * sizeof(float)), 0) << name << ": the fallback";
+      continue;
+    }
+    const std::vector<float> twin = run(**cpu16, cases[i], name + " (twin)");
+    ASSERT_EQ(got.size(), twin.size()) << name;
+    const double rounding = WorstRowError(twin, run(**cpu32, cases[i], name + " (float32 cache)"), vocab);
+    ASSERT_GT(rounding, 0) << name;
+    const double moved = WorstRowError(got, twin, vocab);
+    EXPECT_GT(moved, 0) << name << ": the tensor-core kernel in effect";
+    EXPECT_LE(moved, 4 * rounding) << name;
+  }
+}
+
+// The backend with attention on tensor cores (--cuda_attention mma) and the bf16 cache: a prompt
+// whole, token by token and in chunks of 5 gives the same logits bit for bit; and they stay near the
+// CPU twin with the same cache, as ExpectAttentionOnTensorCoresNearTheTwin's bound says.
+void ExpectAttentionOnTensorCores(const std::shared_ptr<const Model>& model, const std::vector<int32_t>& tokens,
+                                  const std::string& what) {
   const int n = static_cast<int>(tokens.size()), vocab = model->config().vocab_size;
   auto logits = [&](bool mma, int chunk) {
     CudaOptions o;
@@ -843,24 +884,47 @@ TEST(CudaTensorCoresTest, AttentionOnTensorCoresPrefillEqualsDecode) {
     return backend.ok() ? ForwardInChunks(**backend, tokens, chunk) : std::vector<float>{};
   };
   const std::vector<float> whole = logits(true, n);
-  ASSERT_EQ(whole.size(), size_t(n) * vocab);
+  ASSERT_EQ(whole.size(), size_t(n) * vocab) << what;
+  if (!cuda::AttentionMmaSupported(cuda::KvPool{nullptr, nullptr, 16, model->config().n_heads,
+                                                model->config().head_dim, cuda::KvElem::kBf16})) {
+    // A head size the kernel does not take: the float32 kernels, the same bits.
+    const std::vector<float> simt = logits(false, n);
+    EXPECT_EQ(std::memcmp(whole.data(), simt.data(), whole.size() * sizeof(float)), 0) << what << ": the fallback";
+    return;
+  }
   for (const int chunk : {1, 5}) {
     const std::vector<float> got = logits(true, chunk);
     ASSERT_EQ(got.size(), whole.size());
-    EXPECT_EQ(std::memcmp(got.data(), whole.data(), whole.size() * sizeof(float)), 0) << "chunks of " << chunk;
+    EXPECT_EQ(std::memcmp(got.data(), whole.data(), whole.size() * sizeof(float)), 0) << what << ", chunks of " << chunk;
   }
-  const std::vector<float> simt = logits(false, n);
   const KvCacheConfig kv{16, 64};
   auto cpu16 = NewCpuBackend(model, kv, 1, cpu::WeightType::kF32, cpu::KvType::kBf16);
   auto cpu32 = NewCpuBackend(model, kv, 1, cpu::WeightType::kF32, cpu::KvType::kF32);
   ASSERT_TRUE(cpu16.ok() && cpu32.ok());
-  const double cache_rounding =
-      WorstRowError(ForwardInChunks(**cpu16, tokens, n), ForwardInChunks(**cpu32, tokens, n), vocab);
-  ASSERT_GT(cache_rounding, 0);
-  const double moved = WorstRowError(whole, simt, vocab);
-  EXPECT_GT(moved, 0) << "the tensor-core kernel in effect";
-  EXPECT_LE(moved, 4 * cache_rounding);
-  // A float32 cache is refused, naming the way out.
+  const std::vector<float> twin = ForwardInChunks(**cpu16, tokens, n);
+  const double cache_rounding = WorstRowError(twin, ForwardInChunks(**cpu32, tokens, n), vocab);
+  ASSERT_GT(cache_rounding, 0) << what;
+  const double moved = WorstRowError(whole, twin, vocab);
+  EXPECT_GT(moved, 0) << what << ": the tensor-core kernel in effect";
+  EXPECT_LE(moved, 4 * cache_rounding) << what;
+}
+
+// Every golden scheme (skew, local, Shaw with values, T5, none: head_dim 16; ALiBi's goldens, of
+// head sizes the kernel does not take, fall back to the float32 kernels).
+TEST_P(CudaParityTest, AttentionOnTensorCores) {
+  REQUIRE_GPU();
+  const std::string dir = testing::GoldenDir() + "/" + GetParam();
+  ExpectAttentionOnTensorCores(*Model::Load(dir), LoadGolden(dir, 17).tokens, GetParam());
+}
+
+// head_dim 64; and a float32 cache is refused, naming the way out.
+TEST(CudaTensorCoresTest, AttentionOnTensorCoresPrefillEqualsDecode) {
+  REQUIRE_GPU();
+  auto model = *Model::Load(testing::GoldenDir() + "/engine/server");
+  ASSERT_EQ(model->config().head_dim, 64);
+  std::vector<int32_t> tokens(kSanitized ? 9 : 40);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((53 * i + 7) % 256);
+  ExpectAttentionOnTensorCores(model, tokens, "engine/server");
   CudaOptions f32;
   f32.num_blocks = 64;
   f32.attention_tensor_cores = true;
@@ -910,6 +974,26 @@ TEST_P(CudaHfTest, TensorCoresMatchTheCpuTwin) {
                                     [&](Backend& b, const testing::HfPrompt& p, const std::string& name) {
                                       return testing::TeacherForcedHf(b, p, max_new, name);
                                     });
+  }
+  EXPECT_TRUE(found) << GetParam();
+}
+
+// The HF checkpoints with attention on tensor cores: the first three prompts, prefill then decode.
+TEST_P(CudaHfTest, AttentionOnTensorCores) {
+  REQUIRE_GPU();
+  bool found = false;
+  for (const auto& c : testing::HfCases()) {
+    if (c["name"] != GetParam()) continue;
+    found = true;
+    auto model = Model::Load(c["dir"]);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const int max_new = kSanitized ? 8 : 24;
+    std::vector<testing::HfPrompt> prompts = testing::ReadHfReference(c);
+    prompts.resize(std::min<size_t>(prompts.size(), kSanitized ? 1 : 3));
+    ExpectAttentionOnTensorCoresNearTheTwin(*model, prompts, 64, GetParam(),
+                                            [&](Backend& b, const testing::HfPrompt& p, const std::string& name) {
+                                              return testing::TeacherForcedHf(b, p, max_new, name);
+                                            });
   }
   EXPECT_TRUE(found) << GetParam();
 }
@@ -1003,6 +1087,27 @@ TEST_P(CudaT5Test, MatchesTransformers) {
 
 // T5 on tensor cores (the encoder's, decoder's and cross-attention's projections, the LM head):
 // the first three inputs, encoded, then decoded token by token.
+// The T5 checkpoints with attention on tensor cores: the decoder's self- and cross-attention over
+// the bf16 cache (the encoder's own float32 K/V keep the float32 kernel).
+TEST_P(CudaT5Test, AttentionOnTensorCores) {
+  REQUIRE_GPU();
+  bool found = false;
+  for (const auto& c : testing::T5Cases()) {
+    if (c["name"] != GetParam()) continue;
+    found = true;
+    auto model = Model::Load(c["dir"]);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const int start = (*model)->config().decoder_start_token_id, max_new = kSanitized ? 8 : 24;
+    std::vector<testing::T5Input> inputs = testing::ReadT5Reference(c);
+    inputs.resize(std::min<size_t>(inputs.size(), kSanitized ? 1 : 3));
+    ExpectAttentionOnTensorCoresNearTheTwin(*model, inputs, 128, GetParam(),
+                                            [&](Backend& b, const testing::T5Input& p, const std::string& name) {
+                                              return testing::TeacherForcedT5(b, p, start, false, max_new, name);
+                                            });
+  }
+  EXPECT_TRUE(found) << GetParam();
+}
+
 TEST_P(CudaT5Test, TensorCoresMatchTheCpuTwin) {
   REQUIRE_GPU();
   bool found = false;
@@ -1047,6 +1152,12 @@ TEST_P(CudaEngineKvTest, BatchedEqualsAlone) {
   if (GetParam() == "mma") {
     o.weight_type = cpu::WeightType::kBf16;
     o.tensor_cores = true;
+  }
+  if (GetParam() == "mma_attention") {  // the bf16 cache read on tensor cores as well
+    o.kv_type = cpu::KvType::kBf16;
+    o.weight_type = cpu::WeightType::kBf16;
+    o.tensor_cores = true;
+    o.attention_tensor_cores = true;
   }
   auto make = [&] { return *Engine::Create(model, *NewCudaBackend(model, o), NewByteTokenizer(), EngineConfig{}); };
   std::vector<Request> work;
@@ -1127,7 +1238,7 @@ TEST(CudaEngineTest, BanningEveryTokenEndsOnlyThatSequence) {
   EXPECT_EQ(engine->Stats().kv_blocks_used, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cache, CudaEngineKvTest, ::testing::Values("f32", "bf16", "mma"),
+INSTANTIATE_TEST_SUITE_P(Cache, CudaEngineKvTest, ::testing::Values("f32", "bf16", "mma", "mma_attention"),
                          [](const auto& i) { return i.param; });
 
 // T5 through the engine on the GPU backend, its loop driven here: requests admitted while others

@@ -299,7 +299,7 @@ plan() {
     local tool
     for tool in memcheck racecheck; do
       add -n "$ROOT/bin" "${tool}_tensor_cores" 30 "${sanitizer:-compute-sanitizer}" --tool "$tool" --error-exitcode 9 \
-        "${test[@]}" --gtest_filter="${sf:-*TensorCores*:*LinearMma*:*QkvToCache*:*CudaEngineKvTest*/mma}"
+        "${test[@]}" --gtest_filter="${sf:-*TensorCores*:*LinearMma*:*QkvToCache*:*CudaEngineKvTest*/mma*}"
       [ "$KIND" = emulator ] && skip_last "no GPU: the SIMT emulator"
       [ -z "$sanitizer" ] && skip_last "no compute-sanitizer"
     done

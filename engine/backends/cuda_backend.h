@@ -61,8 +61,8 @@ struct CudaOptions {
   bool tensor_cores = false;
   // Attention on tensor cores (cuda::AttentionMma: q, the skew / Shaw E rows and the softmax weights
   // rounded to bf16, float accumulation; prefill and decode the same bits) wherever the pool is bf16
-  // and head_dim is 64 or 128; elsewhere (the encoder's float32 K/V, other head sizes) cuda::Attention.
-  // Needs kv_type kBf16.
+  // and head_dim is 16, 32, 64 or 128; elsewhere (the encoder's float32 K/V, other head sizes)
+  // cuda::Attention. Needs kv_type kBf16.
   bool attention_tensor_cores = false;
 };
 

@@ -1,8 +1,8 @@
-// Paged attention on tensor cores (bf16 K/V cache, head_dim 64 or 128): q . K, the skew / Shaw
-// q . E term and P . V as m16n16k16 bf16 products with float accumulators, the softmax in float32,
-// every scheme's relative term added in the kernel. One kernel for prefill, chunked prefill and
-// decode: a block takes up to 16 query rows of one sequence (decode: one row, the tile's other
-// rows zero), so a row's arithmetic is the same whichever rows share its tile.
+// Paged attention on tensor cores (bf16 K/V cache, head_dim 16, 32, 64 or 128): q . K, the skew /
+// Shaw q . E term and P . V as m16n16k16 bf16 products with float accumulators, the softmax in
+// float32, every scheme's relative term added in the kernel. One kernel for prefill, chunked
+// prefill and decode: a block takes up to 16 query rows of one sequence (decode: one row, the
+// tile's other rows zero), so a row's arithmetic is the same whichever rows share its tile.
 #include <cuda_runtime.h>
 #include <mma.h>
 
@@ -51,8 +51,10 @@ struct AmRun {
 };
 
 template <bool kBidirectional>
-__device__ __forceinline__ int AmBegin(const Relative& rel, const Rows& rows, int r, int split, int keys_per_split) {
-  const int ks = kBidirectional ? 0 : relpos::WindowStart(rel.scheme, rows.position[r], rel.block_length);
+__device__ __forceinline__ int AmBegin(const Relative& rel, const Rows& rows, int r, int split,
+                                       int keys_per_split) {
+  const int ks =
+      kBidirectional ? 0 : relpos::WindowStart(rel.scheme, rows.position[r], rel.block_length);
   return ks + split * keys_per_split;
 }
 template <bool kBidirectional>
@@ -68,7 +70,8 @@ __device__ __forceinline__ int AmRelRow(const Relative& rel, int distance) {
 }
 
 // 16-byte copies of a bf16 row of the pool into shared memory; zeros for a row past the keys.
-__device__ __forceinline__ void AmCopyRow(const uint16_t* src, __nv_bfloat16* dst, int hd, int piece) {
+__device__ __forceinline__ void AmCopyRow(const uint16_t* src, __nv_bfloat16* dst, int hd,
+                                          int piece) {
   reinterpret_cast<uint4*>(dst)[piece] =
       src != nullptr ? reinterpret_cast<const uint4*>(src)[piece] : make_uint4(0u, 0u, 0u, 0u);
 }
@@ -82,17 +85,19 @@ __device__ __forceinline__ void AmCopyRow(const uint16_t* src, __nv_bfloat16* ds
 // on CUDA cores). A key past a row's end scores -inf; a tile past it leaves the row as it was: the
 // row's bits are those of the row alone. Keys are loaded only below the run's last end.
 template <bool kBidirectional, int kHd>
-__global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float* q, Rows rows, int rows_per_block,
-                                                                 float scale, Relative rel, KvPool kv, float* out,
-                                                                 float* workspace, int keys_per_split) {
+__global__ void __launch_bounds__(kAmThreads, 4)
+    AttentionMmaKernel(const float* q, Rows rows, int rows_per_block, float scale, Relative rel,
+                       KvPool kv, float* out, float* workspace, int keys_per_split) {
   const int h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   constexpr int hd = kHd;
   const int width = kv.n_heads * hd;
   const int th = rel.heads_share ? 0 : h;
   const bool rel_k = !kBidirectional && (rel.scheme == relpos::Scheme::kSkew ||
-                                         rel.scheme == relpos::Scheme::kSkewLocal || rel.scheme == relpos::Scheme::kShaw);
-  const float* const extra_v = !kBidirectional && rel.scheme == relpos::Scheme::kShaw ? rel.table_v : nullptr;
+                                         rel.scheme == relpos::Scheme::kSkewLocal ||
+                                         rel.scheme == relpos::Scheme::kShaw);
+  const float* const extra_v =
+      !kBidirectional && rel.scheme == relpos::Scheme::kShaw ? rel.table_v : nullptr;
   const float rel_scale = rel.scale_with_qk ? scale : 1.f;
   const uint16_t* const pk = static_cast<const uint16_t*>(kv.k);
   const uint16_t* const pv = static_cast<const uint16_t*>(kv.v);
@@ -118,7 +123,7 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
   const int last = min(rows.n, first + rows_per_block);
   // The softmax thread's row and keys; the output elements a thread owns (e = tid + 128 i).
   const int srow = tid >> 3, skey = (tid & 7) * 4;
-  constexpr int owned = kAmRows * hd / kAmThreads;  // 8 or 16
+  constexpr int owned = kAmRows * hd / kAmThreads;  // 2 to 16
 
   for (int r0 = first; r0 < last;) {
     const int offset = rows.table_offset[r0];
@@ -136,9 +141,11 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
     // This thread's softmax row (none past nq: its scores stay -inf and it writes nothing).
     const bool srow_in = srow < nq;
     const int spos = srow_in ? rows.position[r0 + srow] : 0;
-    const int send = srow_in ? AmEnd<kBidirectional>(rows, r0 + srow, begin, keys_per_split) : begin;
+    const int send =
+        srow_in ? AmEnd<kBidirectional>(rows, r0 + srow, begin, keys_per_split) : begin;
     int end_max = begin;
-    for (int i = 0; i < nq; ++i) end_max = max(end_max, AmEnd<kBidirectional>(rows, r0 + i, begin, keys_per_split));
+    for (int i = 0; i < nq; ++i)
+      end_max = max(end_max, AmEnd<kBidirectional>(rows, r0 + i, begin, keys_per_split));
 
     for (int i = tid; i < kAmRows * hd; i += kAmThreads) {
       const int r = i / hd, d = i % hd;
@@ -166,8 +173,8 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
         for (int i = tid; i < kAmSpan * hd; i += kAmThreads) {
           const int t = i / hd, d = i % hd;
           const int row = AmRelRow(rel, dmin + t);
-          es[t * ldh + d] =
-              __float2bfloat16_rn(row >= 0 ? rel.table_k[(int64_t{th} * rel.rows + row) * hd + d] : 0.f);
+          es[t * ldh + d] = __float2bfloat16_rn(
+              row >= 0 ? rel.table_k[(int64_t{th} * rel.rows + row) * hd + d] : 0.f);
         }
       }
       __syncthreads();
@@ -208,7 +215,10 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
             if (rel.scheme == relpos::Scheme::kT5) {
               const int half = rel.t5_table_len / 2, relative = -dist;
               rv = rel.t5_bias[th * rel.t5_num_buckets +
-                               rel.t5_bucket_of_distance[(relative < -half ? -half : (relative > half ? half : relative)) + half]];
+                               rel.t5_bucket_of_distance
+                                   [(relative < -half ? -half
+                                                      : (relative > half ? half : relative)) +
+                                    half]];
             }
           } else {
             switch (rel.scheme) {
@@ -219,7 +229,8 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
                 break;
               case relpos::Scheme::kT5:
                 rv = rel.t5_bias[th * rel.t5_num_buckets +
-                                 relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
+                                 relpos::T5BucketOfDistance(rel.t5_bucket_of_distance,
+                                                            rel.t5_table_len, dist)];
                 break;
               case relpos::Scheme::kAlibi:
                 rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
@@ -232,7 +243,8 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
           tile_max = fmaxf(tile_max, sc[u]);
         }
       }
-      for (int o = 4; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+      for (int o = 4; o > 0; o >>= 1)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
       const float m_old = srow_in ? st_m[srow] : -INFINITY;
       const float m_new = row_live ? fmaxf(m_old, tile_max) : m_old;
       float sum = 0.f;
@@ -281,7 +293,11 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
           const int pos = rows.position[r0 + r];
           for (int c = 0; c < kAmKeys; ++c) {
             const float p = ss[r * kAmKeys + c];
-            if (p != 0.f) x += p * extra_v[(int64_t{th} * rel.rows + relpos::ShawRow(pos, j0 + c, rel.clip_k)) * hd + d];
+            if (p != 0.f)
+              x +=
+                  p *
+                  extra_v[(int64_t{th} * rel.rows + relpos::ShawRow(pos, j0 + c, rel.clip_k)) * hd +
+                          d];
           }
         }
         acc[i] = acc[i] * st_corr[r] + (pvs[r * ldo + d] + x);
@@ -298,7 +314,8 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
       if (splits == 1) {
         out[int64_t{row} * width + h * hd + d] = acc[i] / st_l[r];
       } else {
-        float* const part = workspace + ((int64_t{row} * kv.n_heads + h) * splits + split) * (hd + 2);
+        float* const part =
+            workspace + ((int64_t{row} * kv.n_heads + h) * splits + split) * (hd + 2);
         part[2 + d] = any ? acc[i] : 0.f;
         if (d == 0) {  // a split past the row's keys merges as nothing
           part[0] = any ? st_m[r] : -INFINITY;
@@ -311,17 +328,33 @@ __global__ void __launch_bounds__(kAmThreads, 4) AttentionMmaKernel(const float*
   }
 }
 
+template <int kHd>
+void LaunchMma(bool bidirectional, dim3 grid, size_t smem, cudaStream_t s, const float* q,
+               const Rows& rows, int per_block, float scale, const Relative& rel, const KvPool& kv,
+               float* out, float* workspace, int keys_per_split) {
+  if (bidirectional) {
+    RELGEN_LAUNCH((AttentionMmaKernel<true, kHd>), grid, kAmThreads, smem, s)
+    (q, rows, per_block, scale, rel, kv, out, workspace, keys_per_split);
+  } else {
+    RELGEN_LAUNCH((AttentionMmaKernel<false, kHd>), grid, kAmThreads, smem, s)
+    (q, rows, per_block, scale, rel, kv, out, workspace, keys_per_split);
+  }
+}
+
 }  // namespace
 
 bool AttentionMmaSupported(const KvPool& kv) {
-  return kv.type == KvElem::kBf16 && (kv.head_dim == 64 || kv.head_dim == 128);
+  const int hd = kv.head_dim;
+  return kv.type == KvElem::kBf16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
 }
 
-size_t AttentionMmaSharedBytes(int head_dim) { return static_cast<size_t>(AmLayout(head_dim).bytes); }
+size_t AttentionMmaSharedBytes(int head_dim) {
+  return static_cast<size_t>(AmLayout(head_dim).bytes);
+}
 
-cudaError_t AttentionMma(const float* q, const Rows& rows, int max_keys, float scale, const Relative& rel,
-                         const KvPool& kv, float* out, float* workspace, int keys_per_split, cudaStream_t s,
-                         bool tiled, bool bidirectional) {
+cudaError_t AttentionMma(const float* q, const Rows& rows, int max_keys, float scale,
+                         const Relative& rel, const KvPool& kv, float* out, float* workspace,
+                         int keys_per_split, cudaStream_t s, bool tiled, bool bidirectional) {
   if (!AttentionMmaSupported(kv)) return cudaErrorInvalidValue;
   if (bidirectional && rel.scheme != relpos::Scheme::kNone && rel.scheme != relpos::Scheme::kT5) {
     return cudaErrorInvalidValue;
@@ -333,18 +366,23 @@ cudaError_t AttentionMma(const float* q, const Rows& rows, int max_keys, float s
   const int per_block = tiled ? kAmRows : 1;
   const dim3 grid((rows.n + per_block - 1) / per_block, kv.n_heads, splits);
   const size_t smem = AttentionMmaSharedBytes(kv.head_dim);
-  if (bidirectional && kv.head_dim == 64) {
-    RELGEN_LAUNCH((AttentionMmaKernel<true, 64>), grid, kAmThreads, smem, s)(q, rows, per_block, scale, rel, kv, out,
-                                                                             workspace, keys_per_split);
-  } else if (bidirectional) {
-    RELGEN_LAUNCH((AttentionMmaKernel<true, 128>), grid, kAmThreads, smem, s)(q, rows, per_block, scale, rel, kv,
-                                                                              out, workspace, keys_per_split);
-  } else if (kv.head_dim == 64) {
-    RELGEN_LAUNCH((AttentionMmaKernel<false, 64>), grid, kAmThreads, smem, s)(q, rows, per_block, scale, rel, kv,
-                                                                              out, workspace, keys_per_split);
-  } else {
-    RELGEN_LAUNCH((AttentionMmaKernel<false, 128>), grid, kAmThreads, smem, s)(q, rows, per_block, scale, rel, kv,
-                                                                               out, workspace, keys_per_split);
+  switch (kv.head_dim) {
+    case 16:
+      LaunchMma<16>(bidirectional, grid, smem, s, q, rows, per_block, scale, rel, kv, out,
+                    workspace, keys_per_split);
+      break;
+    case 32:
+      LaunchMma<32>(bidirectional, grid, smem, s, q, rows, per_block, scale, rel, kv, out,
+                    workspace, keys_per_split);
+      break;
+    case 64:
+      LaunchMma<64>(bidirectional, grid, smem, s, q, rows, per_block, scale, rel, kv, out,
+                    workspace, keys_per_split);
+      break;
+    default:
+      LaunchMma<128>(bidirectional, grid, smem, s, q, rows, per_block, scale, rel, kv, out,
+                     workspace, keys_per_split);
+      break;
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;

@@ -142,7 +142,7 @@ int64_t AttentionWorkspace(int rows, int n_heads, int head_dim, int max_keys, in
 cudaError_t AttentionCombine(const float* workspace, int rows, int n_heads, int head_dim, int splits, float* out,
                              cudaStream_t stream);
 // Attention and AttentionBidirectional (`bidirectional`) on tensor cores, for a bf16 pool of head_dim
-// 64 or 128 (AttentionMmaSupported; cudaErrorInvalidValue otherwise): q rounded to bf16 (nearest
+// 16, 32, 64 or 128 (AttentionMmaSupported; cudaErrorInvalidValue otherwise): q rounded to bf16 (nearest
 // even), q . K, skew's and Shaw's q . E (E's rows rounded to bf16) and P . V (each weight rounded to
 // bf16) in m16n16k16 products with float accumulation in k order, the softmax, ALiBi, T5 and
 // Shaw's value rows in float32. Keys in tiles of 32 from each split's first key, query rows in
