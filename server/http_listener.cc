@@ -27,6 +27,15 @@ HttpListener::HttpListener(std::string what, const Settings& s) : what_(std::mov
   server_->set_keep_alive_timeout(std::max(1, s.keep_alive_seconds));
   SetTimeout(s.write_timeout_seconds, [this](time_t sec, time_t us) { server_->set_write_timeout(sec, us); });
   server_->set_tcp_nodelay(true);  // a stream's small chunks go out as they are written
+  if (!s.compression) {
+    // cpp-httplib compresses an answer whenever the request offers an encoding it has and has no
+    // switch for it: the offer is taken out of the request before routing. The Request is the
+    // server's own, non-const object, handed to handlers by const reference.
+    server_->set_pre_routing_handler([](const httplib::Request& req, httplib::Response&) {
+      const_cast<httplib::Request&>(req).headers.erase("Accept-Encoding");
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
+  }
   if (s.send_buffer_bytes > 0) {
     // Accepted connections inherit the listening socket's send buffer.
     server_->set_socket_options([bytes = s.send_buffer_bytes](socket_t sock) {

@@ -28,6 +28,10 @@ class HttpListener {
     // The kernel's send buffer per connection (0: the kernel's own, which grows to megabytes): what
     // a reader that stops reading can hold before the server's writes wait on it.
     int send_buffer_bytes = 0;
+    // Answers compressed (gzip, or br) when the request's Accept-Encoding offers it; off, every
+    // answer goes as is, whatever the client offers (a client whose decoder cannot read what it
+    // offers still reads every answer). Server-sent events are never compressed.
+    bool compression = false;
   };
   // `what` names the listener in errors ("HTTP", "metrics").
   HttpListener(std::string what, const Settings& settings);

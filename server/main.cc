@@ -87,6 +87,11 @@ ABSL_FLAG(std::string, cuda_attention, "simt",
           "the CUDA backend's attention: simt (relgen's float32 kernels over the cache, any head size) or mma "
           "(tensor cores where the cache is bf16 and head_dim is 16, 32, 64 or 128: q, the relative tables' rows and the "
           "softmax weights rounded to bf16; prefill and decode give the same bits; other layers keep simt)");
+ABSL_FLAG(bool, http_compression, false,
+          "compress HTTP answers (the API's JSON, /metrics) with gzip or br when a request's Accept-Encoding offers "
+          "it; off (the default), every answer goes uncompressed whatever the client offers: completions are small, "
+          "and a client whose brotli cannot read what it offers (aiohttp with an old Brotli) would fail on every one. "
+          "Server-sent events are never compressed");
 ABSL_FLAG(int32_t, max_num_seqs, 64, "sequences in the running batch at most");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "tokens computed per engine step (prompt chunks + decode tokens)");
 ABSL_FLAG(int32_t, max_encoder_tokens, 2048,
@@ -257,6 +262,7 @@ int ReadOptions(Options* out) {
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   o.http_listen = absl::GetFlag(FLAGS_http_listen);
   o.http_threads = absl::GetFlag(FLAGS_http_threads);
+  o.http_compression = absl::GetFlag(FLAGS_http_compression);
   o.device = absl::GetFlag(FLAGS_device);
   o.threads = absl::GetFlag(FLAGS_threads);
   o.weights_dtype = absl::GetFlag(FLAGS_weights_dtype);
@@ -403,6 +409,7 @@ HttpListener::Settings ApiListenerSettings(const Options& o) {
   s.tls_client_ca = o.tls_client_ca;
   s.threads = o.http_threads;
   s.max_body_bytes = o.max_message_bytes;
+  s.compression = o.http_compression;
   // A stream's write that waits this long for its reader fails, and the call is cancelled.
   s.write_timeout_seconds = o.stream_write_timeout_seconds > 0 ? o.stream_write_timeout_seconds : 1e6;
   // A stalled reader is noticed after 256 KiB (the kernel doubles it), not after the megabytes an
@@ -531,7 +538,9 @@ int Main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = StartGrpc(o, *creds, &service, &port);
   if (server == nullptr || port == 0) return Fail("cannot listen on " + o.listen + ": " + WhyNotListening(o.listen));
   server->GetHealthCheckService()->SetServingStatus(false);
-  HttpListener admin("metrics", HttpListener::Settings{});
+  HttpListener::Settings admin_settings;
+  admin_settings.compression = o.http_compression;
+  HttpListener admin("metrics", admin_settings);
   AddAdminRoutes(admin, metrics, &hooked_engine);
   auto metrics_port = admin.Start(o.metrics_listen);
   if (!metrics_port.ok()) return Fail(std::string(metrics_port.status().message()));

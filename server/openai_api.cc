@@ -585,6 +585,11 @@ OpenAiApi::OpenAiApi(RequestPath* path, Metrics* metrics)
 void OpenAiApi::Register(httplib::Server* server) {
   server->Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { Completions(req, res); });
   server->Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) { Models(req, res); });
+  server->Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) { Tokenize(req, res); });
+  server->Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) { Detokenize(req, res); });
+  server->Get("/version", [](const httplib::Request&, httplib::Response& res) {
+    Reply(res, 200, json{{"version", RELGEN_VERSION}});
+  });
   server->Post("/v1/chat/completions", [](const httplib::Request&, httplib::Response& res) {
     ReplyError(res, ApiError{grpc::StatusCode::NOT_FOUND,
                              "chat completions are not served: relgen does not render chat templates; send the "
@@ -599,7 +604,8 @@ void OpenAiApi::Register(httplib::Server* server) {
     if (res.status == 404) {
       e = ApiError{grpc::StatusCode::NOT_FOUND,
                    absl::StrCat("no route ", req.method, " ", req.path,
-                                "; this API serves POST /v1/completions and GET /v1/models"),
+                                "; this API serves POST /v1/completions, GET /v1/models, POST /tokenize, "
+                                "POST /detokenize and GET /version"),
                    "", "not_found"};
     } else if (res.status == 413) {
       e = ApiError{grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -617,6 +623,97 @@ void OpenAiApi::Register(httplib::Server* server) {
     const int status = res.status;
     Reply(res, status, ErrorBody(e));
   });
+}
+
+namespace {
+
+// A tokenizer endpoint's body: a JSON object whose "model", when given and not null, names the
+// served model (vLLM's requests may leave it out). *served: the engine, or null with *error set.
+std::optional<ApiError> ReadTokenizerBody(const httplib::Request& req, const std::string& auth_token,
+                                          RequestPath* path, json* body, const Engine** served) {
+  if (grpc::Status auth = CheckAuth(req, auth_token); !auth.ok()) return FromStatus(auth);
+  *served = path->engine();
+  if (*served == nullptr) return ApiError{grpc::StatusCode::UNAVAILABLE, "the model is loading", "", ""};
+  try {
+    *body = json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    return Invalid("body", absl::StrCat("not JSON: ", e.what()));
+  }
+  if (!body->is_object()) return Invalid("body", "expected a JSON object");
+  const std::string& name = (*served)->model().config().name;
+  if (body->contains("model") && !(*body)["model"].is_null()) {
+    const json& m = (*body)["model"];
+    if (!m.is_string()) return Invalid("model", "expected the served model's name (GET /v1/models)");
+    if (m.get<std::string>() != name) {
+      return ApiError{grpc::StatusCode::NOT_FOUND,
+                      absl::StrCat("model '", m.get<std::string>(), "' is not served here; this server serves '",
+                                   name, "'"),
+                      "model", "model_not_found"};
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+void OpenAiApi::Tokenize(const httplib::Request& req, httplib::Response& res) {
+  json body;
+  const Engine* served = nullptr;
+  if (auto e = ReadTokenizerBody(req, path_->options().auth_token, path_, &body, &served)) return ReplyError(res, *e);
+  const ModelConfig& c = served->model().config();
+  if (!body.contains("prompt") || !body["prompt"].is_string()) {
+    return ReplyError(res, Invalid("prompt", "expected the text to tokenize (a string)"));
+  }
+  const std::string& text = body["prompt"].get_ref<const std::string&>();
+  if (static_cast<int64_t>(text.size()) > path_->options().max_prompt_bytes) {
+    return ReplyError(res, Invalid("prompt", absl::StrCat(text.size(), " bytes; allowed at most ",
+                                                          path_->options().max_prompt_bytes, " (--max_prompt_bytes)")));
+  }
+  bool special = true;
+  if (body.contains("add_special_tokens") && !body["add_special_tokens"].is_null()) {
+    if (!body["add_special_tokens"].is_boolean()) {
+      return ReplyError(res, Invalid("add_special_tokens", "expected true or false"));
+    }
+    special = body["add_special_tokens"].get<bool>();
+  }
+  bool strs = false;
+  if (body.contains("return_token_strs") && !body["return_token_strs"].is_null()) {
+    if (!body["return_token_strs"].is_boolean()) {
+      return ReplyError(res, Invalid("return_token_strs", "expected true or false"));
+    }
+    strs = body["return_token_strs"].get<bool>();
+  }
+  // As a completion's text prompt becomes ids (server/validation.cc): the BOS first where the model
+  // puts one before text.
+  std::vector<int32_t> ids;
+  if (special && c.bos_token_id >= 0 && c.bos_before_text) ids.push_back(c.bos_token_id);
+  for (int32_t t : served->tokenizer().Encode(text)) ids.push_back(t);
+  json out{{"count", ids.size()}, {"max_model_len", c.max_seq_len}, {"tokens", ids}, {"token_strs", nullptr}};
+  if (strs) {
+    json pieces = json::array();
+    for (int32_t t : ids) pieces.push_back(served->tokenizer().TokenText(t));
+    out["token_strs"] = std::move(pieces);
+  }
+  Reply(res, 200, out);
+}
+
+void OpenAiApi::Detokenize(const httplib::Request& req, httplib::Response& res) {
+  json body;
+  const Engine* served = nullptr;
+  if (auto e = ReadTokenizerBody(req, path_->options().auth_token, path_, &body, &served)) return ReplyError(res, *e);
+  const int vocab = served->model().config().vocab_size;
+  if (!body.contains("tokens") || !body["tokens"].is_array()) {
+    return ReplyError(res, Invalid("tokens", "expected an array of token ids"));
+  }
+  std::vector<int32_t> ids;
+  for (const json& t : body["tokens"]) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab) {
+      return ReplyError(res, Invalid("tokens", absl::StrCat(t.dump(), "; allowed integers 0..", vocab - 1)));
+    }
+    ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  // Special tokens keep their text, as a Hugging Face tokenizer's decode does by default.
+  Reply(res, 200, json{{"prompt", served->tokenizer().Decode(ids, /*skip_special_tokens=*/false)}});
 }
 
 void OpenAiApi::Models(const httplib::Request& req, httplib::Response& res) {

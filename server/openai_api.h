@@ -1,5 +1,6 @@
 // The OpenAI-compatible HTTP API (docs/operations.md, "HTTP API"): POST /v1/completions (unary
-// and server-sent events), GET /v1/models, and a 404 for /v1/chat/completions (no chat templates).
+// and server-sent events), GET /v1/models, and a 404 for /v1/chat/completions (no chat templates);
+// vLLM's POST /tokenize, POST /detokenize and GET /version, which its clients call beside them.
 // A completion's JSON becomes the GenerateRequests a gRPC client would send (one per prompt; type
 // checks only) and enters the engine through the same request path as a gRPC call
 // (server/request_path.h), so admission, validation, limits and the books are shared; calls are
@@ -29,6 +30,10 @@ class OpenAiApi {
  private:
   void Completions(const httplib::Request& req, httplib::Response& res);
   void Models(const httplib::Request& req, httplib::Response& res);
+  // vLLM's tokenizer endpoints, in its shapes: text to the ids a completion's prompt becomes (with
+  // the model's BOS where add_special_tokens, as a prompt gets it), and ids back to text.
+  void Tokenize(const httplib::Request& req, httplib::Response& res);
+  void Detokenize(const httplib::Request& req, httplib::Response& res);
 
   RequestPath* path_;
   Metrics* metrics_;

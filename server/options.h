@@ -12,6 +12,7 @@ struct Options {
   std::string metrics_listen = "0.0.0.0:9400";
   std::string http_listen = "0.0.0.0:8000";  // empty: no HTTP API
   int http_threads = 128;
+  bool http_compression = false;  // compress HTTP answers when the client offers an encoding
   std::string device = "auto";
   int threads = 0;                       // 0: every hardware thread
   std::string weights_dtype = "f32";     // dense weights on the CPU: f32, bf16, int8

@@ -624,6 +624,55 @@ TEST(PauseTest, AdvanceRunsTheStepsAskedFor) {
   }
 }
 
+// The output of a sequence's last token carries its end: a reader that takes every output the
+// moment it is delivered (here the handle's listener, on the engine's thread) never gets the end
+// alone after it, so a stream's last chunk carries the last token. Ends by length, by a stop token
+// and by a stop string. (A draw that finds every token banned ends with no token of its own: its
+// end comes after the last token's output, which went out a step before.)
+TEST(OutputTest, TheLastTokenCarriesTheEnd) {
+  auto engine = MakeEngine("skew", EngineSetup{});
+  struct Case {
+    const char* what;
+    Request r;
+    FinishReason reason;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"length", Prompt(5, 3), FinishReason::kLength});
+  Request stop_token = Prompt(5, 10);
+  stop_token.sampling.allowed_token_ids = {'q'};
+  stop_token.stop.stop_token_ids = {'q'};
+  cases.push_back({"stop token", stop_token, FinishReason::kStop});
+  Request stop_string = Prompt(5, 10);
+  stop_string.sampling.allowed_token_ids = {'q'};
+  stop_string.stop.stop_strings = {"qq"};
+  cases.push_back({"stop string", stop_string, FinishReason::kStop});
+  for (Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::shared_ptr<RequestHandle> h = *engine->Submit(c.r);
+    std::mutex mu;
+    std::vector<Output> outs;
+    bool ended = false;
+    std::condition_variable cv;
+    h->SetListener([&] {
+      std::lock_guard<std::mutex> lock(mu);
+      Output o;
+      while (h->Next(&o, absl::ZeroDuration())) {
+        ended |= o.finished;
+        outs.push_back(std::move(o));
+      }
+      cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return ended; });
+    ASSERT_FALSE(outs.empty());
+    for (size_t i = 0; i < outs.size(); ++i) {
+      EXPECT_FALSE(outs[i].token_ids.empty()) << "output " << i << " of " << outs.size() << " carries no token";
+      EXPECT_EQ(outs[i].finished, i + 1 == outs.size()) << "output " << i;
+    }
+    EXPECT_EQ(outs.back().finish_reason, c.reason);
+  }
+}
+
 // ---- host time per step
 
 using SteadyClock = std::chrono::steady_clock;

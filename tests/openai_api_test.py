@@ -6,6 +6,8 @@ Every request is deterministic (greedy, or seeded sampling) and ignore_eos fixes
 completion must equal gRPC's Generate for the same parameters: the text, the number of tokens and
 their log-probabilities."""
 import atexit
+import gzip
+import http.client
 import json
 import os
 import queue
@@ -330,6 +332,27 @@ class CompletionsTest(OpenAIApiTestCase):
         self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 8)
         self.assertEqual(chunks[-2]["choices"][0]["finish_reason"], "length")
 
+    def test_no_chunk_follows_the_last_token(self):
+        # Only byte 0xE2 may be drawn: each one opens a three-byte character the next one breaks, so
+        # tokens decode to no text (the first) or to U+FFFD a token late, and the last one's text
+        # comes only when the stream ends. However the writer and the engine interleave, every
+        # choice chunk carries at least one token (its logprobs name them) and the last one, with
+        # the finish reason, carries the last token: nothing after it but the usage.
+        for max_tokens in (1, 4, 7):
+            with self.subTest(max_tokens=max_tokens):
+                chunks = self.stream("relgen", max_tokens=max_tokens, temperature=0, logprobs=0,
+                                     extra_body={"allowed_token_ids": [0xE2]},
+                                     stream_options={"include_usage": True})
+                usage = chunks.pop()
+                self.assertEqual(usage.choices, [])
+                self.assertEqual(usage.usage.completion_tokens, max_tokens)
+                counts = [len(c.choices[0].logprobs.tokens) for c in chunks]
+                self.assertTrue(all(n >= 1 for n in counts), counts)
+                self.assertEqual(sum(counts), max_tokens)
+                self.assertEqual([c.choices[0].finish_reason for c in chunks[:-1]], [None] * (len(chunks) - 1))
+                self.assertEqual(chunks[-1].choices[0].finish_reason, "length")
+                self.assertEqual("".join(c.choices[0].text for c in chunks), "\ufffd" * max_tokens)
+
     def test_default_max_tokens_is_16(self):
         r = self.complete("relgen", temperature=0)
         g = self.grpc.generate("relgen", max_new_tokens=16, temperature=0, ignore_eos=True)
@@ -460,6 +483,92 @@ class CompletionsTest(OpenAIApiTestCase):
         self.assert_text_offsets(lp.text_offset, choice.text, 0)
         self.assertEqual(lp.text_offset[k], len(prompt))
 
+    # --- vLLM's small endpoints and plain answers --------------------------------------------------
+
+    def served_config(self):
+        with open(os.path.join(os.environ["RELGEN_GOLDEN_DIR"], "engine", "skew", "config.json")) as f:
+            return json.load(f)
+
+    def test_tokenize_gives_the_prompt_tokens(self):
+        # The byte-level tokenizer: the model's BOS (config.json), then one id per UTF-8 byte.
+        config = self.served_config()
+        text = "relgen \u00e9 \u2713"
+        want = [config["bos_token_id"]] + list(text.encode("utf-8"))
+        r = self.http.post("/tokenize", json={"model": self.model, "prompt": text})
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json(), {"count": len(want), "max_model_len": config["max_seq_len"], "tokens": want,
+                                    "token_strs": None})
+        # The same prompt's tokens as a completion counts them.
+        self.assertEqual(self.complete(text, max_tokens=1, temperature=0).usage.prompt_tokens, len(want))
+        # No model named (vLLM's clients may leave it out), no special tokens, the tokens' strings.
+        r = self.http.post("/tokenize", json={"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json()["tokens"], want[1:])
+        self.assertEqual(r.json()["token_strs"][:7], list("relgen "))
+        self.assertEqual(len(r.json()["token_strs"]), len(want) - 1)
+
+    def test_detokenize_gives_the_text_back(self):
+        text = "relgen \u00e9 \u2713"
+        r = self.http.post("/detokenize", json={"model": self.model, "tokens": list(text.encode("utf-8"))})
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json(), {"prompt": text})
+        # An incomplete character decodes to U+FFFD, as a stream ends it.
+        r = self.http.post("/detokenize", json={"tokens": list("\u2713".encode("utf-8"))[:2]})
+        self.assertEqual(r.json(), {"prompt": "\ufffd"})
+
+    def test_tokenizer_endpoints_name_what_is_wrong(self):
+        vocab = self.served_config()["vocab_size"]
+        for path, body, status, param in (
+                ("/tokenize", {"model": "another-model", "prompt": "x"}, 404, "model"),
+                ("/tokenize", {"model": self.model}, 400, "prompt"),
+                ("/tokenize", {"prompt": 3}, 400, "prompt"),
+                ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+                ("/tokenize", [1, 2], 400, "body"),
+                ("/detokenize", {"model": "another-model", "tokens": [1]}, 404, "model"),
+                ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens"),
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+                ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+            with self.subTest(path=path, body=body):
+                error = self.assert_raw_error(self.http.post(path, json=body), status)
+                self.assertEqual(error["param"], param, error)
+        error = self.assert_raw_error(
+            self.http.post("/tokenize", content=b"{not json", headers={"Content-Type": "application/json"}), 400)
+        self.assertEqual(error["param"], "body", error)
+
+    def test_version_is_the_projects(self):
+        with open(os.path.join(SOURCE, "CMakeLists.txt")) as f:
+            want = re.search(r"project\(relgen VERSION (\S+)", f.read()).group(1)
+        r = self.http.get("/version")
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json(), {"version": want})
+
+    def test_the_client_offers_debians_brotli(self):
+        # The condition the other tests run in: the openai client's httpx finds Debian's brotli
+        # module (python3-brotli, tools/bootstrap.sh) and offers br with every request, as aiohttp
+        # does under lm-eval; relgen answers them all as is (below).
+        import brotli
+        self.assertTrue(brotli.__file__.startswith("/usr/lib/python3/dist-packages"), brotli.__file__)
+        self.assertIn("br", httpx.Client().headers["accept-encoding"])
+        self.assertIsNone(self.http.get("/v1/models").headers.get("content-encoding"))
+
+    def test_answers_are_not_compressed_whatever_the_client_offers(self):
+        # The raw bytes on the wire (http.client decodes nothing): JSON, with no Content-Encoding.
+        offer = {"Accept-Encoding": "br, gzip, deflate", "Content-Type": "application/json"}
+        body = json.dumps({"model": self.model, "prompt": "relgen", "max_tokens": 4, "ignore_eos": True})
+        for address, method, path, payload in ((self.server.http, "POST", "/v1/completions", body),
+                                               (self.server.http, "GET", "/v1/models", None),
+                                               (self.server.http, "POST", "/tokenize", json.dumps({"prompt": "x"})),
+                                               (self.server.metrics, "GET", "/metrics", None)):
+            with self.subTest(path=path):
+                raw = raw_request(address, method, path, payload, offer)
+                self.assertEqual(raw.status, 200)
+                self.assertIsNone(raw.getheader("Content-Encoding"))
+                data = raw.read()
+                if path != "/metrics":
+                    json.loads(data)
+                else:
+                    self.assertIn(b"relgen_", data)
+
     def test_neutral_openai_fields_are_accepted(self):
         want = self.grpc.generate("relgen", max_new_tokens=8, temperature=0, ignore_eos=True).text
         r = self.complete("relgen", max_tokens=8, temperature=0, presence_penalty=0, frequency_penalty=0,
@@ -525,6 +634,42 @@ class CompletionsTest(OpenAIApiTestCase):
         self.assertIn("chat", error["message"].lower())
 
 
+def raw_request(address, method, path, body, headers):
+    """An HTTP/1.1 request through http.client, which neither offers nor decodes any encoding by
+    itself; the response, unread."""
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request(method, path, body=body, headers=headers)
+    return conn.getresponse()
+
+
+class CompressionTest(OpenAIApiTestCase):
+    """--http_compression: answers in gzip where the client offers it, and as is where it does not."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--http_compression")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def test_gzip_where_offered(self):
+        for address, path in ((self.server.http, "/v1/models"), (self.server.metrics, "/metrics")):
+            with self.subTest(path=path):
+                raw = raw_request(address, "GET", path, None, {"Accept-Encoding": "gzip"})
+                self.assertEqual(raw.status, 200)
+                self.assertEqual(raw.getheader("Content-Encoding"), "gzip")
+                data = gzip.decompress(raw.read())
+                if path == "/v1/models":
+                    self.assertEqual(json.loads(data)["data"][0]["id"], "engine-skew")
+                else:
+                    self.assertIn(b"relgen_", data)
+                plain = raw_request(address, "GET", path, None, {})
+                self.assertIsNone(plain.getheader("Content-Encoding"))
+                plain.read()
+
+
 class BearerTokenTest(OpenAIApiTestCase):
     TOKEN = "openai-api-test-token"
 
@@ -558,6 +703,14 @@ class BearerTokenTest(OpenAIApiTestCase):
         with httpx.Client(base_url=f"http://{self.server.http}", timeout=60) as http:
             response = http.post("/v1/completions", json={"model": "engine-skew", "prompt": "relgen", "max_tokens": 4})
             self.assert_raw_error(response, 401)
+
+    def test_tokenizer_endpoints_need_the_token(self):
+        with httpx.Client(base_url=f"http://{self.server.http}", timeout=60) as http:
+            for path, body in (("/tokenize", {"prompt": "relgen"}), ("/detokenize", {"tokens": [114]})):
+                with self.subTest(path=path):
+                    self.assert_raw_error(http.post(path, json=body), 401)
+                    r = http.post(path, json=body, headers={"Authorization": f"Bearer {self.TOKEN}"})
+                    self.assertEqual(r.status_code, 200, r.text)
 
     def test_an_unauthenticated_body_is_not_read(self):
         # The request path reads a completion's body only once the caller may be served: a body

@@ -23,7 +23,7 @@ packages=(
   prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libopenblas0-pthread
   nlohmann-json3-dev libsentencepiece-dev libcpp-httplib-dev
   python3 python3-torch python3-numpy openssl curl clang libclang-rt-14-dev llvm
-  fortunes prometheus python3-yaml python3-grpcio python3-grpc-tools python3-protobuf python3-venv python3-setuptools python3-pip python3-matplotlib
+  fortunes prometheus python3-brotli python3-yaml python3-grpcio python3-grpc-tools python3-protobuf python3-venv python3-setuptools python3-pip python3-matplotlib
   podman runc debootstrap
 )
 missing=()

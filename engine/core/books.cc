@@ -32,9 +32,10 @@ void Engine::FinishAll(FinishReason reason, const absl::Status& status) {
   for (auto& s : orphans) Finish(*s, reason, status);
 }
 
-void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
+void Engine::Finish(Seq& s, FinishReason reason, absl::Status status, Output* last) {
   if (s.done) return;
   if (s.beam != nullptr) {
+    if (last != nullptr) s.handle->Deliver(std::move(*last));
     EndBeams(*s.beam, reason, status);
     return;
   }
@@ -46,6 +47,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status) {
   s.followers.clear();
   BookFinished(0);  // the steps booked its tokens
   Output o;
+  if (last != nullptr) o = std::move(*last);
   o.finished = true;
   o.finish_reason = reason;
   o.status = std::move(status);

@@ -248,8 +248,7 @@ void Engine::EndBanned(Seq& s) {
   Output o;
   TakePromptLogprobs(s, &o);
   o.text = s.text->Flush();
-  s.handle->Deliver(std::move(o));
-  Finish(s, FinishReason::kStop);
+  Finish(s, FinishReason::kStop, absl::OkStatus(), &o);
 }
 
 void Engine::TakePromptLogprobs(Seq& s, Output* o) {
@@ -278,8 +277,8 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
   o.text = std::move(d.text);
   if (s.req.sampling.logprobs >= 0) o.logprobs.push_back(r);
   TakePromptLogprobs(s, &o);
+  if (d.finish != FinishReason::kNone) return Finish(s, d.finish, absl::OkStatus(), &o);
   s.handle->Deliver(std::move(o));
-  if (d.finish != FinishReason::kNone) Finish(s, d.finish);
 }
 
 void Engine::LookupPrefix(Seq& s) {

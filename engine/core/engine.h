@@ -176,7 +176,10 @@ class Engine {
   // One iteration: with `plan`, take submissions, reap, schedule, build and launch the next step;
   // land the step in flight, if any (with overlap, the one launched by the previous iteration).
   void Step(bool plan);
-  void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus());
+  // Ends `s` and delivers its final output; `last`, when given, is the output of its last token
+  // (or its flushed text), delivered in the same output, so a reader never sees the end apart from
+  // the last token (a stream's last chunk carries both).
+  void Finish(Seq& s, FinishReason reason, absl::Status status = absl::OkStatus(), Output* last = nullptr);
   // A drawn token through the sequence's TextStream to its handle; finishes it where the text ends.
   void EmitToken(Seq& s, const SampleResult& r);
   // Moves the prompt's log-probabilities into `o` once (sample 0, before or with its first token).
