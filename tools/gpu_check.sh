@@ -19,9 +19,10 @@
 #   --overlap_steps); then hf_<shape> (transformers' generate, tools/bench/hf_peer.py bench).
 # call2: unpack (call1's files reused when the pack is the same), ncu_mpt-7b_b64 (Nsight Compute,
 #   --clock-control none, gpu__time_duration.sum of the projection and attention kernels, batch 64,
-#   3 decode steps), memcheck_tensor_cores and racecheck_tensor_cores (compute-sanitizer on the
-#   tensor-core tests), relgen_mpt-7b_ctx<long>_<gemm> (batches 1 and 32, mma and invariant) on
-#   call1's mpt-7b checkpoint (kept under $GPU_CHECK_WORK/shapes).
+#   3 decode steps), memcheck_tensor_cores (compute-sanitizer on the tensor-core tests),
+#   relgen_mpt-7b_ctx<long>_<gemm> (batches 1 and 32, mma and invariant) on call1's mpt-7b
+#   checkpoint (kept under $GPU_CHECK_WORK/shapes), then racecheck_tensor_cores if time (the
+#   tensor-core kernels' own cases).
 #
 # Each call prints its stage table first (stage, limit in seconds) and refuses (exit 2) when the
 # limits of the stages it must run add up to more than its budget. Stages marked "if time" (the
@@ -41,11 +42,13 @@
 #                             GPU model; 1 every shape; 0 none
 #   GPU_CHECK_LIMIT_<stage>=S a stage's limit in seconds (the budget check still applies)
 #   GPU_CHECK_SKIP=a,b        stages left out (names as in the table; shell patterns allowed)
-#   GPU_CHECK_CONTEXT=512, GPU_CHECK_LONG_CONTEXT=2048, GPU_CHECK_STEPS=8
+#   GPU_CHECK_CONTEXT=512, GPU_CHECK_LONG_CONTEXT=2032, GPU_CHECK_STEPS=8 (context + steps + 1 within
+#                             the model's max_seq_len: mpt-7b's is 2048)
 #   GPU_CHECK_LONG_BATCHES=1,32  (at 64, mpt-7b's 69 GB of K/V and 13 GB of weights pass an H100's
 #                                80 GB; 1,64 on an H200)
 #   GPU_CHECK_TEST_FILTER     gtest filter of cuda_backend_test (default: every test)
-#   GPU_CHECK_SANITIZE_FILTER gtest filter of the compute-sanitizer stages (default: the tensor-core tests)
+#   GPU_CHECK_SANITIZE_FILTER gtest filter of memcheck (default: the tensor-core tests)
+#   GPU_CHECK_RACECHECK_FILTER gtest filter of racecheck (default: the tensor-core kernels' own cases)
 #   GPU_CHECK_SERVE_GEMM=mma  relgen-server's --cuda_gemm in the serve stages
 #   GPU_CHECK_MMA_ATTENTION=mma  --cuda_attention of the mma stages (the others: simt)
 #   GPU_CHECK_PYTHON=python3  the Python with torch and transformers for hf_peer.py
@@ -296,13 +299,10 @@ plan() {
     [ "$KIND" = emulator ] && skip_last "no GPU: the SIMT emulator"
     [ -z "$ncu" ] && skip_last "no ncu (Nsight Compute)"
     local sf=${GPU_CHECK_SANITIZE_FILTER:-$DRY_SANITIZE_FILTER}
-    local tool
-    for tool in memcheck racecheck; do
-      add -n "$ROOT/bin" "${tool}_tensor_cores" 30 "${sanitizer:-compute-sanitizer}" --tool "$tool" --error-exitcode 9 \
-        "${test[@]}" --gtest_filter="${sf:-*TensorCores*:*LinearMma*:*QkvToCache*:*CudaEngineKvTest*/mma*}"
-      [ "$KIND" = emulator ] && skip_last "no GPU: the SIMT emulator"
-      [ -z "$sanitizer" ] && skip_last "no compute-sanitizer"
-    done
+    add -n "$ROOT/bin" memcheck_tensor_cores 30 "${sanitizer:-compute-sanitizer}" --tool memcheck --error-exitcode 9 \
+      "${test[@]}" --gtest_filter="${sf:-*TensorCores*:*LinearMma*:*QkvToCache*:*CudaEngineKvTest*/mma*}"
+    [ "$KIND" = emulator ] && skip_last "no GPU: the SIMT emulator"
+    [ -z "$sanitizer" ] && skip_last "no compute-sanitizer"
     local gemm lim
     for gemm in $(csv_words "$(knob GPU_CHECK_GEMMS_ mpt-7b mma,invariant)"); do
       case "$gemm" in mma) lim=45 ;; invariant) lim=55 ;; *) lim=45 ;; esac
@@ -311,6 +311,13 @@ plan() {
         --reps 1 --peer none "${kv[@]}" --cuda_gemm "$gemm" --cuda_attention "$(attention_of "$gemm")" --batch_prefill 0 \
         --json "$OUT/relgen_mpt-7b_ctx${LONG_CONTEXT}_$gemm.json"
     done
+    # racecheck replays every shared-memory access: over memcheck's filter it ran past 120 s on an
+    # H100 (2026-11-28) without finishing a test, so it takes the kernels' own cases alone, last,
+    # in whatever time is left.
+    add -o -n "$ROOT/bin" racecheck_tensor_cores 90 "${sanitizer:-compute-sanitizer}" --tool racecheck --error-exitcode 9 \
+      "${test[@]}" --gtest_filter="${GPU_CHECK_RACECHECK_FILTER:-${DRY_SANITIZE_FILTER:-CudaKernelsTest.LinearMma*:CudaAttentionMmaTest.*}}"
+    [ "$KIND" = emulator ] && skip_last "no GPU: the SIMT emulator"
+    [ -z "$sanitizer" ] && skip_last "no compute-sanitizer"
   fi
 }
 
@@ -546,7 +553,8 @@ settings() {
     GPU_NAME=${GPU_CHECK_GPU_NAME:-$(timeout 10 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)}
     GPU_NAME=${GPU_NAME:-unknown}
     SHAPE_CONFIGS=$SRC/tools/bench/shapes
-    DEFAULT_BATCHES=1,8,64 LONG_BATCHES=1,32 CONTEXT=${GPU_CHECK_CONTEXT:-512} LONG_CONTEXT=${GPU_CHECK_LONG_CONTEXT:-2048} STEPS=${GPU_CHECK_STEPS:-8}
+    # The long context leaves room for the bench's steps within mpt-7b's 2048 positions.
+    DEFAULT_BATCHES=1,8,64 LONG_BATCHES=1,32 CONTEXT=${GPU_CHECK_CONTEXT:-512} LONG_CONTEXT=${GPU_CHECK_LONG_CONTEXT:-2032} STEPS=${GPU_CHECK_STEPS:-8}
     SERVE_CLIENTS=64 SERVE_REQUESTS=192 SERVE_PROMPT=128 SERVE_OUTPUT=128 HF_DEVICE=cuda
   fi
   GBPS=$(gb_per_s "$GPU_NAME")

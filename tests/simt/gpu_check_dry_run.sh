@@ -62,8 +62,8 @@ check_call call1 480 unpack device=skip cuda_backend_test \
   make_bloom-560m relgen_bloom-560m_mma relgen_bloom-560m_invariant relgen_bloom-560m_cublas \
   serve_bloom-560m_overlap serve_bloom-560m_nooverlap make_flan-t5-base relgen_flan-t5-base_mma \
   hf_mpt-7b hf_bloom-560m hf_flan-t5-base
-check_call call2 240 unpack ncu_mpt-7b_b64=skip memcheck_tensor_cores=skip racecheck_tensor_cores=skip \
-  relgen_mpt-7b_ctx64_mma relgen_mpt-7b_ctx64_invariant
+check_call call2 240 unpack ncu_mpt-7b_b64=skip memcheck_tensor_cores=skip \
+  relgen_mpt-7b_ctx64_mma relgen_mpt-7b_ctx64_invariant racecheck_tensor_cores=skip
 
 # Limits past a budget: refused before any stage runs.
 for call in call1 call2; do
