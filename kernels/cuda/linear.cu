@@ -218,22 +218,39 @@ __device__ __forceinline__ void LinearMmaTile(const float* x, int rows, int in, 
 #pragma unroll
     for (int j = 0; j < kFragOuts; ++j) wmma::fill_fragment(acc[i][j], 0.f);
   }
+  // A whole round's x is read into registers a round ahead, every piece's load issued before any
+  // is used: its latency then passes under the wait for the weights and the products, where
+  // loading it at the top of its round put one L2 round trip per piece (8 in a row at 64 rows)
+  // ahead of every round's products.
+  constexpr int kXPieces = kTileRows * kMmaK / 4 / (32 * kMmaWarps);
+  static_assert(kXPieces * 4 * 32 * kMmaWarps == kTileRows * kMmaK, "x pieces must cover the tile");
+  float4 xr[kXPieces];
+  auto x_whole = [&](int round) { return x_vec && kb + (round + 1) * kMmaK <= ke; };
+  // Piece p of a thread: row xrow + p * kXRowStep of the tile, its 4 x at column xcol of the round.
+  constexpr int kXRowStep = 32 * kMmaWarps / (kMmaK / 4);
+  const int xrow = threadIdx.x / (kMmaK / 4), xcol = threadIdx.x % (kMmaK / 4) * 4;
+  auto load_x = [&](int round) {
+    const float* src = x + int64_t{r0 + xrow} * in + kb + round * kMmaK + xcol;
+#pragma unroll
+    for (int p = 0; p < kXPieces; ++p) {
+      xr[p] = r0 + xrow + p * kXRowStep < rows ? *reinterpret_cast<const float4*>(src + int64_t{p} * kXRowStep * in)
+                                               : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
   for (int round = 0; round < kMmaStages - 1; ++round) stage_weights(round);
+  if (rounds > 0 && x_whole(0)) load_x(0);
   for (int round = 0; round < rounds; ++round) {
     const int k0 = kb + round * kMmaK;
-    const bool whole_k = k0 + kMmaK <= ke;
     // Into the buffer the last round multiplied from: every warp is past it (the barrier below).
     stage_weights(round + kMmaStages - 1);
-    if (x_vec && whole_k) {
-      for (int e = threadIdx.x; e < kTileRows * kMmaK / 4; e += 32 * kMmaWarps) {
-        const int r = e / (kMmaK / 4), k = (e % (kMmaK / 4)) * 4;
-        const float4 v = r0 + r < rows ? *reinterpret_cast<const float4*>(x + int64_t{r0 + r} * in + k0 + k)
-                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-        __nv_bfloat16* d = xs + r * kMmaLd + k;
-        d[0] = __float2bfloat16_rn(v.x);
-        d[1] = __float2bfloat16_rn(v.y);
-        d[2] = __float2bfloat16_rn(v.z);
-        d[3] = __float2bfloat16_rn(v.w);
+    if (x_whole(round)) {
+#pragma unroll
+      for (int p = 0; p < kXPieces; ++p) {
+        __nv_bfloat16* d = xs + (xrow + p * kXRowStep) * kMmaLd + xcol;
+        d[0] = __float2bfloat16_rn(xr[p].x);
+        d[1] = __float2bfloat16_rn(xr[p].y);
+        d[2] = __float2bfloat16_rn(xr[p].z);
+        d[3] = __float2bfloat16_rn(xr[p].w);
       }
     } else {
       for (int e = threadIdx.x; e < kTileRows * kMmaK; e += 32 * kMmaWarps) {
@@ -242,6 +259,7 @@ __device__ __forceinline__ void LinearMmaTile(const float* x, int rows, int in, 
             __float2bfloat16_rn(r0 + r < rows && k0 + k < ke ? x[int64_t{r0 + r} * in + k0 + k] : 0.f);
       }
     }
+    if (round + 1 < rounds && x_whole(round + 1)) load_x(round + 1);
     __pipeline_wait_prior(kMmaStages - 1);  // this round's weights, as this thread copied them
     __syncthreads();                        // and as every thread did, with x
     // Steps wholly past the range add zeros; they are skipped, the same in every tile. Each
@@ -318,7 +336,7 @@ __device__ __forceinline__ void LinearMmaTile(const float* x, int rows, int in, 
 #define RELGEN_MMA_ARGS \
   x, rows, in, w, out, bias, act, residual, alpha, y, w_stride, bias_stride, y_stride, kv, kv_rows, splits, partial, tickets
 // 32 x 32 tiles: few registers, 6-7 blocks a SM, for the decode steps' few rows.
-__global__ void __launch_bounds__(32 * kMmaWarps) LinearMmaKernel(RELGEN_MMA_PARAMS) {
+__global__ void __launch_bounds__(32 * kMmaWarps, 6) LinearMmaKernel(RELGEN_MMA_PARAMS) {
   LinearMmaTile<32, 32>(RELGEN_MMA_ARGS);
 }
 // 64 x 64 tiles: four accumulators a warp and 41 KB of shared memory, 4 blocks a SM.
