@@ -824,7 +824,7 @@ TEST(EngineSubmitTest, RefusesWhatCanNeverRun) {
   Request bad = Prompt(4, 4);
   bad.prompt[2] = 259;
   EXPECT_THAT(engine->Submit(bad).status().message(), HasSubstr("prompt: ids[2] = 259; allowed 0..258"));
-  EXPECT_THAT(engine->Submit(Prompt(500, 20)).status().message(), HasSubstr("max_new_tokens: 20 after a prompt of 500 tokens exceeds the model's context of 512 tokens; allowed 1..12"));
+  EXPECT_THAT(engine->Submit(Prompt(500, 20)).status().message(), HasSubstr("max_new_tokens: 20 after a prompt of 500 tokens exceeds the model's context of 512 tokens; allowed 0..12"));
   EXPECT_TRUE(engine->Submit(Prompt(100, 28)).ok());
 }
 

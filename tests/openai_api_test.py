@@ -483,6 +483,41 @@ class CompletionsTest(OpenAIApiTestCase):
         self.assert_text_offsets(lp.text_offset, choice.text, 0)
         self.assertEqual(lp.text_offset[k], len(prompt))
 
+    def test_max_tokens_0_with_echo_scores_the_prompt(self):
+        # The score-only request of lm-eval and other OpenAI-style clients: the prompt back, its
+        # tokens' log-probabilities (the first has none), no new token.
+        prompt = "relgen scores"
+        g = self.grpc.generate(prompt, max_new_tokens=1, temperature=0, prompt_logprobs=2)
+        k = g.prompt_tokens
+        r = self.complete(prompt, max_tokens=0, echo=True, logprobs=2, n=2)
+        self.assertEqual(r.usage.prompt_tokens, k)
+        self.assertEqual(r.usage.completion_tokens, 0)
+        self.assertEqual(len(r.choices), 2)
+        for choice in r.choices:
+            self.assertEqual(choice.text, prompt)
+            self.assertEqual(choice.finish_reason, "length")
+            lp = choice.logprobs
+            self.assertEqual(len(lp.tokens), k)
+            self.assertIsNone(lp.token_logprobs[0])
+            self.assertIsNone(lp.top_logprobs[0])
+            self.assert_token_logprobs(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], g.prompt_logprobs, 2)
+            self.assert_text_offsets(lp.text_offset, choice.text, 0)
+        chunks = self.stream(prompt, max_tokens=0, echo=True, logprobs=2, n=2, stream_options={"include_usage": True})
+        self.assert_stream_equals(chunks, r)
+        # Without logprobs, the prompt alone; without echo, nothing.
+        plain = self.complete(prompt, max_tokens=0, echo=True)
+        self.assertEqual(plain.choices[0].text, prompt)
+        self.assertIsNone(plain.choices[0].logprobs)
+        self.assertEqual(plain.choices[0].finish_reason, "length")
+        bare = self.complete(prompt, max_tokens=0)
+        self.assertEqual(bare.choices[0].text, "")
+        self.assertEqual(bare.usage.completion_tokens, 0)
+        # Below 0 is refused, naming what is allowed.
+        response = self.http.post("/v1/completions", json={"model": self.model, "prompt": prompt, "max_tokens": -1})
+        self.assertEqual(response.status_code, 400, response.text)
+        self.assertEqual(response.json()["error"]["param"], "max_tokens")
+        self.assertIn("max_new_tokens: -1; allowed 0..", response.json()["error"]["message"])
+
     # --- vLLM's small endpoints and plain answers --------------------------------------------------
 
     def served_config(self):

@@ -562,6 +562,53 @@ TEST_P(LogprobsReferenceTest, PromptLogprobsMatchTheReference) {
   }
 }
 
+// max_new_tokens 0 (OpenAI's max_tokens 0 with echo): the prompt's log-probabilities and no token.
+TEST_P(LogprobsReferenceTest, ThePromptAloneMatchesTheReference) {
+  Request r;
+  r.prompt = tokens_;
+  r.prompt_logprobs = 5;
+  r.stop.max_new_tokens = 0;
+  r.n = 3;  // the other samples end with nothing, as a sample after the first has no prompt log-probabilities
+  auto hs = engine_->SubmitGroup(r);
+  ASSERT_TRUE(hs.ok()) << hs.status();
+  const std::vector<Result> got = RunToEnd(*engine_, *hs);
+  ASSERT_EQ(got[0].prompt_logprobs.size(), 128u);
+  for (int j = 1; j < 129; ++j) {
+    EXPECT_EQ(got[0].prompt_logprobs[j - 1].token, tokens_[j]);
+    ExpectMatchesReference(got[0].prompt_logprobs[j - 1], Row(j - 1), vocab_, 5, "prompt token " + std::to_string(j));
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_TRUE(got[i].tokens.empty()) << "sample " << i;
+    EXPECT_EQ(got[i].text, "") << "sample " << i;
+    EXPECT_TRUE(got[i].logprobs.empty()) << "sample " << i;
+    EXPECT_EQ(got[i].reason, FinishReason::kLength) << "sample " << i;
+    EXPECT_EQ(got[i].generated, 0) << "sample " << i;
+    if (i > 0) EXPECT_TRUE(got[i].prompt_logprobs.empty()) << "sample " << i;
+  }
+  // The same bits as the prompt log-probabilities of a request that goes on to generate.
+  r.n = 1;
+  r.stop.max_new_tokens = 1;
+  auto h = engine_->Submit(r);
+  ASSERT_TRUE(h.ok()) << h.status();
+  const Result generating = RunToEnd(*engine_, {*h})[0];
+  EXPECT_EQ(generating.tokens.size(), 1u);
+  EXPECT_TRUE(SameBits(got[0].prompt_logprobs, generating.prompt_logprobs));
+  // Without prompt_logprobs there is nothing to return but the end; the prompt still enters the
+  // prefix cache.
+  r.prompt_logprobs = -1;
+  r.stop.max_new_tokens = 0;
+  const int64_t hits_before = engine_->Stats().prefix_cache_hits;
+  for (int round = 0; round < 2; ++round) {
+    h = engine_->Submit(r);
+    ASSERT_TRUE(h.ok()) << h.status();
+    const Result bare = RunToEnd(*engine_, {*h})[0];
+    EXPECT_TRUE(bare.tokens.empty());
+    EXPECT_TRUE(bare.prompt_logprobs.empty());
+    EXPECT_EQ(bare.reason, FinishReason::kLength);
+  }
+  EXPECT_GT(engine_->Stats().prefix_cache_hits, hits_before);
+}
+
 TEST_P(LogprobsReferenceTest, ScoresMatchTheReferenceAndDoNotDependOnTheCache) {
   // Contexts ending inside a block and on a block boundary; continuations of 1, 7 and the rest.
   for (int context : {33, 32}) {

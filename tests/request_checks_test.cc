@@ -62,15 +62,15 @@ std::vector<BadField> Cases() {
       {"truncate_prompt_tokens > context", [](auto& r) { r.set_truncate_prompt_tokens(513); },
        {{"truncate_prompt_tokens", 513}}, "truncate_prompt_tokens: 513; allowed 0..512 (0 = off)",
        "truncate_prompt_tokens"},
-      {"max_new_tokens 0", [](auto& r) { r.set_max_new_tokens(0); }, {{"max_tokens", 0}},
-       "max_new_tokens: 0; allowed 1..300", "max_tokens"},
+      {"max_new_tokens < 0", [](auto& r) { r.set_max_new_tokens(-1); }, {{"max_tokens", -1}},
+       "max_new_tokens: -1; allowed 0..300", "max_tokens"},
       {"max_new_tokens over --max_new_tokens", [](auto& r) { r.set_max_new_tokens(301); }, {{"max_tokens", 301}},
-       "max_new_tokens: 301; allowed 1..300", "max_tokens"},
+       "max_new_tokens: 301; allowed 0..300", "max_tokens"},
       {"max_new_tokens past the context", [](auto& r) {
          SetIds(r, Fives(300));
          r.set_max_new_tokens(250);
        }, {{"prompt", Fives(300)}, {"max_tokens", 250}},
-       "max_new_tokens: 250 after a prompt of 300 tokens exceeds the model's context of 512 tokens; allowed 1..212",
+       "max_new_tokens: 250 after a prompt of 300 tokens exceeds the model's context of 512 tokens; allowed 0..212",
        "max_tokens"},
       {"temperature < 0", [](auto& r) { r.set_temperature(-0.5f); }, {{"temperature", -0.5}},
        "temperature: -0.5; allowed 0..100 (0 = greedy)", "temperature"},
@@ -117,6 +117,10 @@ std::vector<BadField> Cases() {
          r.set_num_beams(2);
          r.add_stop("x");
        }, {{"num_beams", 2}, {"stop", "x"}}, "stop: " + kNotWithBeams2, "stop"},
+      {"the prompt alone with beams", [](auto& r) {
+         r.set_num_beams(2);
+         r.set_max_new_tokens(0);
+       }, {{"num_beams", 2}, {"max_tokens", 0}}, "max_new_tokens: " + kNotWithBeams2, "max_tokens"},
       {"logprobs with beams", [](auto& r) {
          r.set_num_beams(2);
          r.set_logprobs(1);

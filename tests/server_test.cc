@@ -286,12 +286,12 @@ TEST_F(ServerTest, InvalidInputsNameTheField) {
       {"empty ids", [](auto& r) { r.mutable_token_ids()->clear_ids(); }, "prompt: empty; allowed 1 or more tokens"},
       {"id >= vocab", [](auto& r) { r.mutable_token_ids()->add_ids(259); }, "prompt: ids[3] = 259; allowed 0..258"},
       {"negative id", [](auto& r) { r.mutable_token_ids()->set_ids(0, -1); }, "prompt: ids[0] = -1"},
-      {"max_new 0", [](auto& r) { r.set_max_new_tokens(0); }, "max_new_tokens: 0; allowed 1..300"},
-      {"max_new over limit", [](auto& r) { r.set_max_new_tokens(301); }, "max_new_tokens: 301; allowed 1..300"},
+      {"max_new < 0", [](auto& r) { r.set_max_new_tokens(-1); }, "max_new_tokens: -1; allowed 0..300"},
+      {"max_new over limit", [](auto& r) { r.set_max_new_tokens(301); }, "max_new_tokens: 301; allowed 0..300"},
       {"over context", [](auto& r) {
          for (int i = 0; i < 300; ++i) r.mutable_token_ids()->add_ids(5);
          r.set_max_new_tokens(250);
-       }, "max_new_tokens: 250 after a prompt of 303 tokens exceeds the model's context of 512 tokens; allowed 1..209"},
+       }, "max_new_tokens: 250 after a prompt of 303 tokens exceeds the model's context of 512 tokens; allowed 0..209"},
       {"prompt fills context", [](auto& r) {
          for (int i = 0; i < 600; ++i) r.mutable_token_ids()->add_ids(5);
        }, "prompt: the prompt is 603 tokens"},

@@ -54,6 +54,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status, Output* la
   o.prompt_tokens = static_cast<int>(s.req.prompt.size());
   o.generated_tokens = s.generated;
   if (s.score_from >= 0 && reason == FinishReason::kLength) o.logprobs = std::move(s.scores);
+  if (s.prompt_only && reason == FinishReason::kLength) TakePromptLogprobs(s, &o);
   const absl::Time now = absl::Now();
   o.timing.queue = (s.scheduled == absl::InfinitePast() ? now : s.scheduled) - s.submitted;
   o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;

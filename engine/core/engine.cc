@@ -108,6 +108,11 @@ std::unique_ptr<Engine::Seq> Engine::MakeGroup(Request r, std::vector<std::share
     if (scoring) {
       s->score_from = static_cast<int>(s->tokens.size());
       s->tokens.insert(s->tokens.end(), continuations[i].begin(), continuations[i].end());
+    } else if (r.stop.max_new_tokens == 0) {
+      // A continuation of nothing: the prompt is computed (with its log-probabilities where asked,
+      // on the rows generating computes them on) and nothing is drawn.
+      s->prompt_only = true;
+      s->score_from = static_cast<int>(s->tokens.size());
     } else {
       s->req.sampling.seed = r.sampling.seed + static_cast<uint64_t>(i);
     }

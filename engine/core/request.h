@@ -43,7 +43,7 @@ struct Request {
   int n = 1;
   // Log-probabilities of the prompt's tokens from the second on (the first has no context): -1
   // none; k (0..RequestLimits::max_logprobs) with the k most likely alternatives. Sample 0 delivers them,
-  // before its first token. Decoder models only. Such a request computes its whole prompt (no
+  // before its first token (with its end where stop.max_new_tokens is 0: the prompt alone). Decoder models only. Such a request computes its whole prompt (no
   // prefix-cache hit: a cached block has no logits).
   int prompt_logprobs = -1;
   // Scoring instead of generating (1..kMaxContinuations of them, each non-empty): one handle per

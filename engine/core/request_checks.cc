@@ -53,18 +53,19 @@ absl::Status CheckPrompt(const Request& r, const ModelConfig& c, bool scoring) {
 // Generating: max_new_tokens within the served limit, the model's context and the KV cache.
 absl::Status CheckLength(const Request& r, const ModelConfig& c, const RequestLimits& limits, const KvCapacity& kv) {
   const int n = KeptTokens(r), m = r.stop.max_new_tokens, ctx = c.max_seq_len;
-  if (m < 1 || m > limits.max_new_tokens) {
-    return FieldError("max_new_tokens", absl::StrCat(m, "; allowed 1..", limits.max_new_tokens));
+  // 0 is the prompt alone: its log-probabilities (prompt_logprobs) and no new token.
+  if (m < 0 || m > limits.max_new_tokens) {
+    return FieldError("max_new_tokens", absl::StrCat(m, "; allowed 0..", limits.max_new_tokens));
   }
   // An encoder-decoder model's input and output have a context each; the last output token is
   // never fed back.
   if (c.encoder_decoder && m > ctx) {
     return FieldError("max_new_tokens", absl::StrCat(m, " exceeds the model's decoder context of ", ctx,
-                                                     " tokens; allowed 1..", ctx));
+                                                     " tokens; allowed 0..", ctx));
   }
   if (!c.encoder_decoder && n + m > ctx) {
     return FieldError("max_new_tokens", absl::StrCat(m, " after a prompt of ", n, " tokens exceeds the model's context of ",
-                                                     ctx, " tokens; allowed 1..", ctx - n));
+                                                     ctx, " tokens; allowed 0..", ctx - n));
   }
   const int bs = kv.block_size;
   const int need = c.encoder_decoder ? BlocksForTokens(n, bs) + BlocksForTokens(m, bs) : BlocksForTokens(n + m, bs);
@@ -268,7 +269,8 @@ absl::Status CheckGroup(const Request& r, const ModelConfig& c, const KvCapacity
   }
   if (r.num_beams == 1) return absl::OkStatus();
   const SamplingParams& p = r.sampling;
-  const char* conflict = !r.continuations.empty() ? "continuations" : r.n > 1 ? "n" : p.logprobs >= 0 ? "logprobs"
+  const char* conflict = !r.continuations.empty() ? "continuations" : r.n > 1 ? "n"
+                         : r.stop.max_new_tokens == 0 ? "max_new_tokens" : p.logprobs >= 0 ? "logprobs"
                          : r.prompt_logprobs >= 0 ? "prompt_logprobs" : !r.stop.stop_strings.empty() ? "stop"
                          : !r.stop.stop_token_ids.empty() ? "stop_token_ids"
                          : p.repetition_penalty != 1.0f ? "repetition_penalty"

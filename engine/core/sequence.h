@@ -36,6 +36,9 @@ struct Engine::Seq {
   // Scoring: tokens[score_from..] are the continuation, scored and never sampled; -1 when generating.
   int score_from = -1;
   std::vector<SampleResult> scores;        // one per continuation token computed so far
+  // max_new_tokens 0: the prompt alone (score_from past its end, so nothing is scored or drawn),
+  // its log-probabilities delivered with the end.
+  bool prompt_only = false;
   std::vector<SampleResult> prompt_lps;    // prompt tokens 1.. computed so far (prompt_logprobs)
   bool prompt_lps_delivered = false;
   // Prefix chain of the registered (or hit) blocks: chain[b] is the cursor past blocks[b].
@@ -54,8 +57,8 @@ struct Engine::Seq {
   // First token whose logits are needed (its row predicts the next token): nothing before it may come
   // from the prefix cache, which holds K/V and no logits.
   int LogitsFrom() const {
-    if (score_from >= 0) return score_from - 1;
     if (req.prompt_logprobs >= 0 && !prompt_lps_delivered) return 0;
+    if (score_from >= 0) return score_from - 1;
     return static_cast<int>(tokens.size()) - 1;
   }
   // Something to compute in the next step: not finished, tokens not yet in the cache, and not
