@@ -628,7 +628,8 @@ void OpenAiApi::Register(httplib::Server* server) {
 namespace {
 
 // A tokenizer endpoint's body: a JSON object whose "model", when given and not null, names the
-// served model (vLLM's requests may leave it out). *served: the engine, or null with *error set.
+// served model (vLLM's requests may leave it out). Returns the error to answer, if any; otherwise
+// *body holds the parsed object and *served the engine.
 std::optional<ApiError> ReadTokenizerBody(const httplib::Request& req, const std::string& auth_token,
                                           RequestPath* path, json* body, const Engine** served) {
   if (grpc::Status auth = CheckAuth(req, auth_token); !auth.ok()) return FromStatus(auth);
