@@ -20,13 +20,6 @@ constexpr int kMaxPerLane = 8;  // head_dim <= 256
 // (docs/gpu-performance.md). Unrolling keeps the order of every sum, so the bits are the same.
 constexpr int kRowLoads = 8, kVLoads = 8;
 
-// T5's bucket of the signed relative position key_pos - query_pos, from the signed table
-// (relpos::T5SignedBucketTable, centred at table_len / 2; farther positions clamp to its ends).
-__device__ __forceinline__ int T5SignedBucket(const int32_t* table, int table_len, int relative) {
-  const int half = table_len / 2;
-  return table[(relative < -half ? -half : (relative > half ? half : relative)) + half];
-}
-
 // `nq` rows of q (in shared memory, head_dim floats apart; nq <= kQ) . one K or E row, by one
 // thread, the row read once for all of them. Per q row four independent sums over 16-byte loads
 // where head_dim allows (rows start at multiples of head_dim floats), added as (s0 + s1) + (s2 + s3):
@@ -130,9 +123,7 @@ __device__ __forceinline__ float Score(const Relative& rel, float scale, float d
   const int dist = pos - j;
   float rv = 0.f;
   if constexpr (kBidirectional) {
-    if (rel.scheme == relpos::Scheme::kT5) {
-      rv = rel.t5_bias[th * rel.t5_num_buckets + T5SignedBucket(rel.t5_bucket_of_distance, rel.t5_table_len, -dist)];
-    }
+    if (rel.scheme == relpos::Scheme::kT5) rv = T5SignedBias(rel, th, dist);
   } else {
     switch (rel.scheme) {
       case relpos::Scheme::kSkew:
@@ -144,14 +135,8 @@ __device__ __forceinline__ float Score(const Relative& rel, float scale, float d
       case relpos::Scheme::kShaw:
         rv = RowDot<kLoads>(qs, rel.table_k + (int64_t{th} * rel.rows + relpos::ShawRow(pos, j, rel.clip_k)) * hd, hd);
         break;
-      case relpos::Scheme::kT5:
-        rv = rel.t5_bias[th * rel.t5_num_buckets +
-                         relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
-        break;
-      case relpos::Scheme::kAlibi:
-        rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
-        break;
       default:
+        rv = CausalScalarBias(rel, th, h, dist);
         break;
     }
   }

@@ -212,14 +212,7 @@ __global__ void __launch_bounds__(kAmThreads, 4)
           const int dist = spos - j;
           float rv = 0.f;
           if constexpr (kBidirectional) {
-            if (rel.scheme == relpos::Scheme::kT5) {
-              const int half = rel.t5_table_len / 2, relative = -dist;
-              rv = rel.t5_bias[th * rel.t5_num_buckets +
-                               rel.t5_bucket_of_distance
-                                   [(relative < -half ? -half
-                                                      : (relative > half ? half : relative)) +
-                                    half]];
-            }
+            if (rel.scheme == relpos::Scheme::kT5) rv = T5SignedBias(rel, th, dist);
           } else {
             switch (rel.scheme) {
               case relpos::Scheme::kSkew:
@@ -227,15 +220,8 @@ __global__ void __launch_bounds__(kAmThreads, 4)
               case relpos::Scheme::kShaw:
                 rv = gs[srow * kAmSpan + (dist - dmin)];
                 break;
-              case relpos::Scheme::kT5:
-                rv = rel.t5_bias[th * rel.t5_num_buckets +
-                                 relpos::T5BucketOfDistance(rel.t5_bucket_of_distance,
-                                                            rel.t5_table_len, dist)];
-                break;
-              case relpos::Scheme::kAlibi:
-                rv = relpos::AlibiBias(rel.alibi_slopes[h], dist);
-                break;
               default:
+                rv = CausalScalarBias(rel, th, h, dist);
                 break;
             }
           }

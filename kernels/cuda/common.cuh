@@ -1,5 +1,5 @@
-// Device helpers the decoder's kernel files share (linear.cu, attention.cu, kv_write.cu,
-// elementwise.cu). Internal linkage, as when they lived in one file: each translation unit keeps its
+// Device helpers the decoder's kernel files share (linear.cu, attention.cu, attention_mma.cu,
+// kv_write.cu, elementwise.cu). Internal linkage, as when they lived in one file: each translation unit keeps its
 // own inlined copy, so moving a kernel between files changes none of its instructions.
 #pragma once
 
@@ -51,6 +51,28 @@ __device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16
 __device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
 inline unsigned Blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+// The relative terms that are a table lookup rather than a q.E product, shared by both attention
+// kernel families (attention.cu, attention_mma.cu) so that their scores agree by construction.
+// T5's bias for an encoder's query and key `dist` = query - key apart, from the signed bucket table
+// (relpos::T5SignedBucketTable, centred at table_len / 2; farther positions clamp to its ends).
+__device__ __forceinline__ float T5SignedBias(const Relative& rel, int th, int dist) {
+  const int half = rel.t5_table_len / 2, relative = -dist;
+  return rel.t5_bias[th * rel.t5_num_buckets +
+                     rel.t5_bucket_of_distance[(relative < -half ? -half : (relative > half ? half : relative)) + half]];
+}
+// A causal query `dist` positions after its key: T5's bucketed bias or ALiBi's slope times the
+// distance; 0 for the schemes whose term is a q.E product (skew, Shaw) or that have none.
+__device__ __forceinline__ float CausalScalarBias(const Relative& rel, int th, int h, int dist) {
+  switch (rel.scheme) {
+    case relpos::Scheme::kT5:
+      return rel.t5_bias[th * rel.t5_num_buckets + relpos::T5BucketOfDistance(rel.t5_bucket_of_distance, rel.t5_table_len, dist)];
+    case relpos::Scheme::kAlibi:
+      return relpos::AlibiBias(rel.alibi_slopes[h], dist);
+    default:
+      return 0.f;
+  }
+}
 
 }  // namespace
 }  // namespace relgen::cuda
