@@ -123,8 +123,12 @@ class LmEvalTest(unittest.TestCase):
         cls.data = write_tasks(cls.folder)
         cls.task_manager = TaskManager(include_path=cls.folder)
         cls.server = Server("--max_num_seqs", "8", model=cls.checkpoint)
-        cls.served = _model_id(cls.server)
-        cls.reference = cls.evaluate("hf", f"pretrained={cls.checkpoint},dtype=float32,device=cpu,max_length={WINDOW}")
+        try:
+            cls.served = _model_id(cls.server)
+            cls.reference = cls.evaluate("hf", f"pretrained={cls.checkpoint},dtype=float32,device=cpu,max_length={WINDOW}")
+        except BaseException:
+            cls.server.stop()  # tearDownClass does not run after a failed setUpClass
+            raise
 
     @classmethod
     def tearDownClass(cls):
