@@ -86,7 +86,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const bool truncated = req.truncate_prompt_tokens() > 0 && n == req.truncate_prompt_tokens();
     FUZZ_CHECK(truncated || out.prompt[0] == config.bos_token_id);
   }
-  FUZZ_CHECK(out.stop.max_new_tokens >= 1 && out.stop.max_new_tokens <= kLimits.max_new_tokens);
+  // 0 is the prompt alone (its log-probabilities, no token).
+  FUZZ_CHECK(out.stop.max_new_tokens >= 0 && out.stop.max_new_tokens <= kLimits.max_new_tokens);
   FUZZ_CHECK(n + out.stop.max_new_tokens <= config.max_seq_len);
   const relgen::SamplingParams& p = out.sampling;
   FUZZ_CHECK(p.temperature >= 0 && p.temperature <= 100);
@@ -126,9 +127,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(out.num_return_sequences >= 1 && out.num_return_sequences <= out.num_beams);
   FUZZ_CHECK(out.length_penalty >= -100 && out.length_penalty <= 100);
   if (out.num_beams > 1) {
-    FUZZ_CHECK(out.n == 1 && p.logprobs < 0 && out.prompt_logprobs < 0 && out.stop.stop_strings.empty() &&
-               out.stop.stop_token_ids.empty() && p.repetition_penalty == 1 && p.presence_penalty == 0 &&
-               p.frequency_penalty == 0);
+    FUZZ_CHECK(out.n == 1 && out.stop.max_new_tokens >= 1 && p.logprobs < 0 && out.prompt_logprobs < 0 &&
+               out.stop.stop_strings.empty() && out.stop.stop_token_ids.empty() && p.repetition_penalty == 1 &&
+               p.presence_penalty == 0 && p.frequency_penalty == 0);
   }
   return 0;
 }
