@@ -83,7 +83,11 @@ case "$mode" in
       ctest "$@" 2>&1 | tee "$logs/$name.log"
       set -e
     }
+    # Each stage's wall time (its build and its tests) goes in the summary: CI's budget is a sum of them.
+    declare -A took
+    echo "== installed and built in $SECONDS s"
     for stage in $stages; do
+      t0=$SECONDS
       case "$stage" in
         main)
           run_stage main --test-dir build --output-on-failure -j "$jobs" "$@"
@@ -109,6 +113,7 @@ case "$mode" in
           ;;
         *) echo "unknown stage '$stage' in RELGEN_TEST_STAGES (main, asan, tsan)" >&2; exit 2 ;;
       esac
+      took[$stage]=$((SECONDS - t0))
     done
     # One summary over every stage, in ctest's words.
     passed=0
@@ -122,7 +127,7 @@ case "$mode" in
       fi
       f=$(echo "$line" | sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\1/')
       n=$(echo "$line" | sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\2/')
-      echo "== [$stage] $((n - f)) passed, $f failed"
+      echo "== [$stage] $((n - f)) passed, $f failed (${took[$stage]} s)"
       passed=$((passed + n - f))
       failed=$((failed + f))
     done

@@ -359,6 +359,14 @@ struct Fiber {
   void* mapping = nullptr;  // guard page + stack
   void* stack = nullptr;
   Context ctx;
+#if SIMT_ASAN
+  // The lowest address whose shadow may still be poisoned: frames live when the fiber last left
+  // (its last kernel's exit, or a lane abandoned in a faulted block) never ran their epilogues, so
+  // their redzones stay poisoned until the next use of the stack clears them. Only this far down
+  // is cleared, a few KiB, not the whole stack: clearing all of it for every thread of every block
+  // was most of the ASan tree's emulated suite (64 KiB of shadow a thread, several GB a test).
+  char* dirty = nullptr;
+#endif
 #if SIMT_TSAN
   void* tsan = nullptr;
 #endif
@@ -372,6 +380,9 @@ struct Fiber {
     }
     mprotect(mapping, page, PROT_NONE);  // overflow faults instead of corrupting the neighbour
     stack = static_cast<char*>(mapping) + page;
+#if SIMT_ASAN
+    dirty = static_cast<char*>(stack);  // a fresh mapping may reuse an old one's poisoned range
+#endif
 #if SIMT_TSAN
     tsan = __tsan_create_fiber(0);
 #endif
@@ -513,6 +524,16 @@ std::string Hex(unsigned m) {
 void YieldToScheduler(Lane& l, bool exiting) {
   Block& b = *l.block;
 #if SIMT_ASAN
+  {
+    // Every frame from here up may be left live; below this one, only the switch's own
+    // (uninstrumented) frames, well inside the slack.
+    constexpr ptrdiff_t kSwitchSlack = 4096;
+    Fiber& f = *l.fiber;
+    char* const base = static_cast<char*>(f.stack);
+    char* const here = static_cast<char*>(__builtin_frame_address(0)) - kSwitchSlack;
+    char* const low = here < base ? base : here;
+    if (f.dirty == nullptr || low < f.dirty) f.dirty = low;
+  }
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(exiting ? nullptr : &fake, b.sched_bottom, b.sched_size);
 #else
@@ -645,7 +666,10 @@ void RunBlockFibers(Block& b) {
     Lane& l = b.lanes[i];
     l.fiber = pool[i].get();
 #if SIMT_ASAN
-    ASAN_UNPOISON_MEMORY_REGION(l.fiber->stack, kStackBytes);
+    if (char* const dirty = l.fiber->dirty; dirty != nullptr) {
+      ASAN_UNPOISON_MEMORY_REGION(dirty, static_cast<char*>(l.fiber->stack) + kStackBytes - dirty);
+      l.fiber->dirty = nullptr;
+    }
 #endif
     MakeContext(&l.fiber->ctx, l.fiber->stack, kStackBytes, &RelgenSimtFiberMain);
   }
