@@ -2,8 +2,8 @@
 # vLLM's CPU build beside relgen on this machine: one checkpoint, one client (vLLM's own
 # `vllm bench serve`, random 128-token prompts, 64 output tokens, --ignore-eos), one server at a
 # time, the two servers' sessions interleaved (relgen first in odd repetitions, vLLM first in even
-# ones). A benchmark, not a test: nothing in CI runs it. Run end to end on 2026-11-28 (one
-# repetition a setting; docs/benchmarks.md, "Serving against vLLM on the CPU").
+# ones). A benchmark, not a test: nothing in CI runs it. Run end to end on 2026-11-28 (two
+# repetitions a setting; docs/benchmarks.md, "Serving against vLLM on the CPU").
 #
 #   bash tools/bench/vllm_peer.sh install                 the venv ($VLLM_VENV, default build-vllm-venv)
 #   bash tools/bench/vllm_peer.sh make DIR                a bloom-560m-shaped checkpoint, random float32
