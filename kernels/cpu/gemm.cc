@@ -118,7 +118,7 @@ __attribute__((always_inline)) inline void Tail(int left, const float* x, int k,
 
 // RB rows per micro-kernel call: as many as keep RB x 16 accumulators, one panel row and a
 // broadcast in the vector registers (16 ymm with AVX2, 32 zmm with AVX-512).
-template <typename V, typename T, int RB>
+template <typename V, typename T, int RB, int PB>
 __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows, const PackedMatrix& w,
                                                        const float* bias, float* y, int p_begin, int p_end) {
   const int k = w.k(), n = w.n();
@@ -140,37 +140,57 @@ __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows,
                           y + int64_t{r0} * n + p * kP, n);
       }
     }
-    for (; p < p_end; ++p) {
+    while (p < p_end) {
+      // Many rows: PB panels at once where whole (two on AVX-512: 16 accumulators for 2 panel
+      // loads and 8 broadcasts per k, where one panel spent 9 loads on 8 FMAs).
+      constexpr bool kFloat = std::is_same_v<T, float>;
+      const bool stage = !kFloat && r1 - r0 >= kStageRows;
+      const int np = (kFloat || stage) && PB > 1 && p + PB <= p_end && (p + PB) * kP <= n ? PB : 1;
       const T* panel = static_cast<const T*>(w.panel(p));
       const int c0 = p * kP;
-      const int ncols = std::min(kP, n - c0);
+      const int ncols = std::min(np * kP, n - c0);
       const float* s = w.scales() != nullptr ? w.scales() + c0 : nullptr;
       const float* b = bias != nullptr ? bias + c0 : nullptr;
-      if constexpr (!std::is_same_v<T, float>) {
-        if (r1 - r0 >= kStageRows) {
-          // Many rows: widen the panel once into float (exact) and run the float kernel on it. Each
-          // weight enters the same multiply-add as in the narrow kernel, so the bits are the same.
+      float* yc = y + c0;
+      const float* wf = nullptr;
+      if constexpr (!kFloat) {
+        if (stage) {
+          // Widen the panels once into float (exact) and run the float kernel on them. Each weight
+          // enters the same multiply-add as in the narrow kernel, so the bits are the same.
           static thread_local std::vector<float> staged;
-          staged.resize(static_cast<size_t>(k) * kP);
-          for (int i = 0; i < k * kP; i += sizeof(V) / sizeof(float)) {
+          staged.resize(static_cast<size_t>(np) * k * kP);
+          for (int i = 0; i < np * k * kP; i += sizeof(V) / sizeof(float)) {
             V wide;
             LoadW(panel + i, wide);
             std::memcpy(staged.data() + i, &wide, sizeof wide);
           }
-          int r = r0;
-          for (; r + RB <= r1; r += RB) {
-            Micro<V, float, RB>(x + int64_t{r} * k, k, staged.data(), 0, k, s, b, ncols, y + int64_t{r} * n + c0, n);
-          }
-          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, staged.data(), s, b, ncols,
-                                 y + int64_t{r} * n + c0, n);
-          continue;
+          wf = staged.data();
         }
+      } else {
+        wf = panel;
       }
       int r = r0;
-      for (; r + RB <= r1; r += RB) {
-        Micro<V, T, RB>(x + int64_t{r} * k, k, panel, 0, k, s, b, ncols, y + int64_t{r} * n + c0, n);
+      if (wf != nullptr) {
+        if (np == 2) {
+          for (; r + RB <= r1; r += RB) {
+            Micro<V, float, RB, 2>(x + int64_t{r} * k, k, wf, int64_t{k} * kP, k, s, b, ncols, yc + int64_t{r} * n, n);
+          }
+          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, wf, s, b, kP, yc + int64_t{r} * n, n);
+          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, wf + int64_t{k} * kP, s != nullptr ? s + kP : nullptr,
+                                 b != nullptr ? b + kP : nullptr, kP, yc + int64_t{r} * n + kP, n);
+        } else {
+          for (; r + RB <= r1; r += RB) {
+            Micro<V, float, RB>(x + int64_t{r} * k, k, wf, 0, k, s, b, ncols, yc + int64_t{r} * n, n);
+          }
+          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, wf, s, b, ncols, yc + int64_t{r} * n, n);
+        }
+      } else {
+        for (; r + RB <= r1; r += RB) {
+          Micro<V, T, RB>(x + int64_t{r} * k, k, panel, 0, k, s, b, ncols, yc + int64_t{r} * n, n);
+        }
+        Tail<V, T, RB - 1>(r1 - r, x + int64_t{r} * k, k, panel, s, b, ncols, yc + int64_t{r} * n, n);
       }
-      Tail<V, T, RB - 1>(r1 - r, x + int64_t{r} * k, k, panel, s, b, ncols, y + int64_t{r} * n + c0, n);
+      p += np;
     }
   }
 }
@@ -180,15 +200,15 @@ using PanelFn = void (*)(const float*, int, const PackedMatrix&, const float*, f
 #define RELGEN_PANEL_FNS(T, SUFFIX)                                                                              \
   __attribute__((target("avx512f"))) void PanelRangeAvx512##SUFFIX(                                             \
       const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end) {   \
-    PanelRangeT<V16, T, 8>(x, rows, w, bias, y, p_begin, p_end);                                               \
+    PanelRangeT<V16, T, 8, 2>(x, rows, w, bias, y, p_begin, p_end);                                               \
   }                                                                                                              \
   __attribute__((target("avx2,fma"))) void PanelRangeAvx2##SUFFIX(                                              \
       const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end) {   \
-    PanelRangeT<V8, T, 6>(x, rows, w, bias, y, p_begin, p_end);                                                \
+    PanelRangeT<V8, T, 6, 1>(x, rows, w, bias, y, p_begin, p_end);                                                \
   }                                                                                                              \
   void PanelRangeBase##SUFFIX(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y,     \
                               int p_begin, int p_end) {                                                          \
-    PanelRangeT<V4, T, 2>(x, rows, w, bias, y, p_begin, p_end);                                                \
+    PanelRangeT<V4, T, 2, 1>(x, rows, w, bias, y, p_begin, p_end);                                                \
   }                                                                                                              \
   PanelFn Kernel##SUFFIX(GemmIsa isa) {                                                                          \
     switch (isa) {                                                                                               \
