@@ -107,7 +107,8 @@ TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
         std::vector<double> scale;
         const std::vector<double> dq = Dequantized(w, out, in, t, &scale);
         const cpu::PackedMatrix packed(w.data(), out, in, t);
-        EXPECT_EQ(packed.bytes(), int64_t((out + 15) / 16) * 16 * in * cpu::WeightTypeBytes(t));
+        EXPECT_EQ(packed.bytes(), int64_t((out + 15) / 16) * 16 * (t == cpu::WeightType::kBf16 ? (in + 31) / 32 * 32 : in) *
+                                      cpu::WeightTypeBytes(t));
         for (int rows : {1, 2, 3, 7, 9, 13, 16, 33, 130, 300}) {
           const std::vector<float> x = Random(size_t(rows) * in, rows);
           std::vector<float> all(size_t(rows) * out), one(out);

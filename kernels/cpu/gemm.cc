@@ -34,39 +34,32 @@ typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
 
-typedef uint16_t H4 __attribute__((vector_size(8)));
-typedef uint16_t H8 __attribute__((vector_size(16)));
-typedef uint16_t H16 __attribute__((vector_size(32)));
 typedef uint32_t U4 __attribute__((vector_size(16)));
 typedef uint32_t U8 __attribute__((vector_size(32)));
 typedef uint32_t U16 __attribute__((vector_size(64)));
 
-// The narrow element vectors that widen to V (float x N).
+// The 32-bit lane vectors as wide as V (float x N): a bf16 pair per lane.
 template <int N> struct Narrow;
-template <> struct Narrow<4> { using Bf = H4; using U = U4; };
-template <> struct Narrow<8> { using Bf = H8; using U = U8; };
-template <> struct Narrow<16> { using Bf = H16; using U = U16; };
+template <> struct Narrow<4> { using U = U4; };
+template <> struct Narrow<8> { using U = U8; };
+template <> struct Narrow<16> { using U = U16; };
 
-// Element by element: the form GCC turns into one vpmovsx/vpmovzx (a whole-vector conversion
-// between element sizes is scalarised).
-template <typename Wide, typename Small, size_t... j>
-__attribute__((always_inline)) inline void Widen(const Small& s, Wide& out, std::index_sequence<j...>) {
-  out = Wide{s[j]...};
-}
-
-// One vector of weights at `p`, widened to float (bf16 exactly).
+// Row kk of a panel, lanes [lane, lane + N) as float (bf16 exactly): float32 rows are [k][16];
+// bf16 rows come in pairs, [k / 2][16][2], a pair's even row in the low half of each 32-bit lane.
 // (Through a reference: returning a vector type from a function of no target draws an ABI warning.)
 template <typename V, typename T>
-__attribute__((always_inline)) inline void LoadW(const T* p, V& v) {
-  using NV = Narrow<sizeof(V) / sizeof(float)>;
+__attribute__((always_inline)) inline void LoadRow(const T* panel, int kk, int lane, V& v) {
+  using U = typename Narrow<sizeof(V) / sizeof(float)>::U;
   if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof v);
+    std::memcpy(&v, panel + static_cast<int64_t>(kk) * kP + lane, sizeof v);
   } else {
-    typename NV::Bf h;
-    std::memcpy(&h, p, sizeof h);
-    typename NV::U u;
-    Widen(h, u, std::make_index_sequence<sizeof(V) / sizeof(float)>());
-    u <<= 16;
+    U u;
+    std::memcpy(&u, panel + static_cast<int64_t>(kk / 2) * (2 * kP) + 2 * lane, sizeof u);
+    if (kk % 2 == 0) {
+      u <<= 16;
+    } else {
+      u &= 0xffff0000u;
+    }
     std::memcpy(&v, &u, sizeof v);
   }
 }
@@ -85,12 +78,36 @@ __attribute__((always_inline)) inline void Micro(const float* x, int ldx, const 
   for (int r = 0; r < R; ++r) {
     for (int l = 0; l < L; ++l) acc[r][l] = V{};
   }
-  for (int kk = 0; kk < k; ++kk) {
-    V wk[L];
-    for (int l = 0; l < L; ++l) LoadW(panel + (l / Lp) * pstride + kk * kP + (l % Lp) * kLanes, wk[l]);
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[r * ldx + kk];
-      for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
+  if constexpr (std::is_same_v<T, float>) {
+    for (int kk = 0; kk < k; ++kk) {
+      V wk[L];
+      for (int l = 0; l < L; ++l) LoadRow(panel + (l / Lp) * pstride, kk, (l % Lp) * kLanes, wk[l]);
+      for (int r = 0; r < R; ++r) {
+        const float xr = x[r * ldx + kk];
+        for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
+      }
+    }
+  } else {
+    // bf16: one load per pair of rows, split into row kk (a shift) and row kk + 1 (a mask); the
+    // multiply-adds in the same order as above.
+    using U = typename Narrow<kLanes>::U;
+    for (int kk = 0; kk < k; kk += 2) {
+      U pair[L];
+      for (int l = 0; l < L; ++l) {
+        std::memcpy(&pair[l], panel + (l / Lp) * pstride + static_cast<int64_t>(kk / 2) * (2 * kP) + 2 * (l % Lp) * kLanes,
+                    sizeof(U));
+      }
+      for (int h = 0; h < 2 && kk + h < k; ++h) {
+        V wk[L];
+        for (int l = 0; l < L; ++l) {
+          const U u = h == 0 ? pair[l] << 16 : pair[l] & 0xffff0000u;
+          std::memcpy(&wk[l], &u, sizeof(V));
+        }
+        for (int r = 0; r < R; ++r) {
+          const float xr = x[r * ldx + kk + h];
+          for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -127,7 +144,7 @@ __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows,
     int p = p_begin;
     if (r1 - r0 <= 2) {
       // One or two rows (decode at small batch): three or two panels at once, all full.
-      const int64_t pstride = int64_t{k} * kP;
+      const int64_t pstride = int64_t{w.padded_k()} * kP;
       const float* s = w.scales();
       for (; r1 - r0 == 1 && p + 3 <= p_end && (p + 3) * kP <= n; p += 3) {
         Micro<V, T, 1, 3>(x + int64_t{r0} * k, k, static_cast<const T*>(w.panel(p)), pstride, k,
@@ -158,11 +175,18 @@ __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows,
           // Widen the panels once into float (exact) and run the float kernel on them. Each weight
           // enters the same multiply-add as in the narrow kernel, so the bits are the same.
           static thread_local std::vector<float> staged;
+          constexpr int kLanes = sizeof(V) / sizeof(float);
           staged.resize(static_cast<size_t>(np) * k * kP);
-          for (int i = 0; i < np * k * kP; i += sizeof(V) / sizeof(float)) {
-            V wide;
-            LoadW(panel + i, wide);
-            std::memcpy(staged.data() + i, &wide, sizeof wide);
+          for (int q = 0; q < np; ++q) {
+            const T* src = panel + static_cast<int64_t>(q) * w.padded_k() * kP;
+            float* dst = staged.data() + static_cast<size_t>(q) * k * kP;
+            for (int kk = 0; kk < k; ++kk) {
+              for (int lane = 0; lane < kP; lane += kLanes) {
+                V wide;
+                LoadRow(src, kk, lane, wide);
+                std::memcpy(dst + static_cast<size_t>(kk) * kP + lane, &wide, sizeof wide);
+              }
+            }
           }
           wf = staged.data();
         }
@@ -286,9 +310,11 @@ PackedMatrix::PackedMatrix(int n, int k, WeightType type, const std::function<vo
       case WeightType::kF32:
         for (int kk = 0; kk < k; ++kk) reinterpret_cast<float*>(d)[base + kk * kP] = row[kk];
         break;
-      case WeightType::kBf16:
-        for (int kk = 0; kk < k; ++kk) reinterpret_cast<uint16_t*>(d)[base + kk * kP] = ToBf16(row[kk]);
+      case WeightType::kBf16: {
+        const int64_t base2 = static_cast<int64_t>(o / kP) * k4 * kP + o % kP * 2;
+        for (int kk = 0; kk < k; ++kk) reinterpret_cast<uint16_t*>(d)[base2 + kk / 2 * (2 * kP) + kk % 2] = ToBf16(row[kk]);
         break;
+      }
       case WeightType::kInt8: {
         float amax = 0;
         for (int kk = 0; kk < k; ++kk) amax = std::max(amax, std::fabs(row[kk]));

@@ -24,8 +24,11 @@ namespace relgen::cpu {
 // same bits on every CPU.
 
 // W [n, k] repacked into panels of 16 outputs, zero-padded, 64-byte aligned: [panels][k][16] for
-// f32 and bf16; int8 in groups of 4 inputs, [panels][k4 / 4][16][4] with k4 = k rounded up to 4,
-// so one 32-bit lane holds an output's 4 consecutive weights (the VNNI dot product's operand).
+// f32; bf16 in pairs of inputs, [panels][kp / 2][16][2] with kp = k rounded up to 32, so one 32-bit
+// lane holds an output's weights for inputs (2i, 2i + 1): the operand vdpbf16ps takes and the rows
+// of an AMX-BF16 tile, read in place (the widening kernel splits a pair with a shift and a mask);
+// int8 in groups of 4 inputs, [panels][k4 / 4][16][4] with k4 = k rounded up to 4, so one 32-bit
+// lane holds an output's 4 consecutive weights (the VNNI dot product's operand).
 class PackedMatrix {
  public:
   static constexpr int kPanel = 16;
@@ -43,8 +46,16 @@ class PackedMatrix {
   const void* panel(int p) const {
     return data_.get() + static_cast<int64_t>(p) * padded_k() * kPanel * WeightTypeBytes(type_);
   }
-  // The packed depth: k, or for int8 k rounded up to a multiple of 4.
-  int padded_k() const { return type_ == WeightType::kInt8 ? (k_ + 3) / 4 * 4 : k_; }
+  // The packed depth: k for float32; for int8 k rounded up to a multiple of 4; for bf16 to a
+  // multiple of 32 (an AMX tile step), the padding zero.
+  int padded_k() const {
+    switch (type_) {
+      case WeightType::kInt8: return (k_ + 3) / 4 * 4;
+      case WeightType::kBf16: return (k_ + 31) / 32 * 32;
+      case WeightType::kF32: break;
+    }
+    return k_;
+  }
   // int8: one scale per output, padded to whole panels; empty otherwise.
   const float* scales() const { return scales_.empty() ? nullptr : scales_.data(); }
   // int8: 128 x the sum of each output's int8 weights (what an unsigned-input dot product adds).

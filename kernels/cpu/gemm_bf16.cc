@@ -1,9 +1,9 @@
 // bf16 x bf16 projections on AVX-512 BF16 (vdpbf16ps): each input row is rounded to bf16 (nearest
 // even) once, and every output sums the products of pairs of inputs in float32, pair after pair in
 // the order of k (the instruction adds a pair's two exact products to the sum; it treats denormal
-// inputs and results as zero). The weights keep the [k][16] panel layout of the widening kernel;
-// two k rows are interleaved into (k, k + 1) pairs in a register as they are loaded. gemm.cc calls
-// this only where the CPU has AVX-512 BF16.
+// inputs and results as zero). The panels' pairs layout ([k / 2][16][2], gemm.h) is the
+// instruction's operand as stored: one load per pair of k rows. An odd k's last input pairs with
+// the zero padding of both operands. gemm.cc calls this only where the CPU has AVX-512 BF16.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -41,14 +41,6 @@ inline uint16_t Round(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Words 0-15 of a 64-byte load are k row a (outputs 0..15), words 16-31 row a + 1: lane o gets
-// (a[o], a+1[o]).
-inline __m512i Interleave(__m512i v) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
-                                       5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, v);
-}
-
 // R rows x P panels: acc[r][p] over all pairs, then + bias into y.
 template <int R, int P>
 inline void Block(const uint16_t* xb, int ldx, const uint16_t* panel, int64_t pstride, int k, const float* bias,
@@ -57,24 +49,13 @@ inline void Block(const uint16_t* xb, int ldx, const uint16_t* panel, int64_t ps
   for (int r = 0; r < R; ++r) {
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   }
-  int kk = 0;
-  for (; kk + 2 <= k; kk += 2) {
+  for (int kk = 0; kk < k; kk += 2) {  // k even: the zero padding pairs with an odd k's last row
     __m512i wp[P];
-    for (int p = 0; p < P; ++p) wp[p] = Interleave(_mm512_loadu_si512(panel + p * pstride + kk * kP));
+    for (int p = 0; p < P; ++p) wp[p] = _mm512_loadu_si512(panel + p * pstride + kk * kP);
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
       std::memcpy(&pair, xb + r * ldx + kk, 4);
       const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(pair));
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)xv, (__m512bh)wp[p]);
-    }
-  }
-  if (kk < k) {  // an odd k: the last row paired with zero
-    __m512i wp[P];
-    for (int p = 0; p < P; ++p) {
-      wp[p] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + p * pstride + kk * kP)));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(xb[r * ldx + kk]));
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)xv, (__m512bh)wp[p]);
     }
   }
@@ -120,7 +101,7 @@ void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, 
     int p = p_begin;
     if (r1 - r0 == 1) {
       for (; p + kDecodePanels <= p_end && (p + kDecodePanels) * kP <= n; p += kDecodePanels) {
-        Block<1, kDecodePanels>(xb, ldx, static_cast<const uint16_t*>(w.panel(p)), int64_t{k} * kP, k,
+        Block<1, kDecodePanels>(xb, ldx, static_cast<const uint16_t*>(w.panel(p)), int64_t{w.padded_k()} * kP, ldx,
                                 bias != nullptr ? bias + p * kP : nullptr, kDecodePanels * kP, y + int64_t{r0} * n + p * kP, n);
       }
     }
@@ -131,9 +112,9 @@ void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, 
       const float* b = bias != nullptr ? bias + c0 : nullptr;
       int r = r0;
       for (; r + kRows <= r1; r += kRows) {
-        Block<kRows, 1>(xb + static_cast<size_t>(r - r0) * ldx, ldx, panel, 0, k, b, ncols, y + int64_t{r} * n + c0, n);
+        Block<kRows, 1>(xb + static_cast<size_t>(r - r0) * ldx, ldx, panel, 0, ldx, b, ncols, y + int64_t{r} * n + c0, n);
       }
-      Tail<kRows - 1>(r1 - r, xb + static_cast<size_t>(r - r0) * ldx, ldx, panel, k, b, ncols, y + int64_t{r} * n + c0, n);
+      Tail<kRows - 1>(r1 - r, xb + static_cast<size_t>(r - r0) * ldx, ldx, panel, ldx, b, ncols, y + int64_t{r} * n + c0, n);
     }
   }
 }

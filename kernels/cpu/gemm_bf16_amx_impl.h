@@ -78,11 +78,11 @@ struct Tiles : tiles::EmulatedTiles {
 }  // namespace
 
 // Panels [p_begin, p_end) of y for every row, two panels at a time: tiles 0 and 1 their sums, 2 a
-// step of 16 input rows, 3 and 4 the step's weights, re-laid from the [k][16] panel into the
-// [k/2][16][2] pairs the instruction reads.
+// step of 16 input rows, 3 and 4 the step's weights, loaded in place (the panels' pairs layout,
+// zero-padded to whole steps, is the [16 pairs][16 outputs][2] the instruction reads).
 void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, float* y, int p_begin, int p_end) {
   const int k = w.k(), n = w.n();
-  const int kp = (k + kStep - 1) / kStep * kStep;
+  const int kp = w.padded_k();  // a multiple of kStep
   TileConfig c;
   for (int i : {0, 1, 2, 3, 4}) {
     c.rows[i] = 16;
@@ -96,7 +96,7 @@ void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, 
     t.Configure(c);
     shaped = m;
   };
-  static thread_local std::vector<uint16_t> staged, pairs;
+  static thread_local std::vector<uint16_t> staged;
   alignas(64) float sums[16 * 2 * kP];
   for (int r0 = 0; r0 < rows; r0 += kRowChunk) {
     const int r1 = rows < r0 + kRowChunk ? rows : r0 + kRowChunk;
@@ -107,35 +107,8 @@ void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, 
     }
     for (int p = p_begin; p < p_end; p += 2) {
       const bool two = p + 1 < p_end;
-      pairs.resize(static_cast<size_t>(2) * kp * kP);
-      // Two k rows of 16 outputs interleaved into 16 pairs: written as whole rows in and out so the
-      // compiler makes it a few vector unpacks per 64 bytes. At one input row this re-lay is most
-      // of a call (the tiles do one row's products), so an element-at-a-time loop made a decode
-      // step with bf16 inputs 3x slower than with float32 ones.
-      for (int q = 0; q < (two ? 2 : 1); ++q) {
-        const uint16_t* panel = static_cast<const uint16_t*>(w.panel(p + q));
-        uint16_t* dst = pairs.data() + static_cast<size_t>(q) * kp * kP;
-        const int whole = k / 2;
-        for (int kk2 = 0; kk2 < whole; ++kk2) {
-          const uint16_t* even = panel + static_cast<int64_t>(2 * kk2) * kP;
-          const uint16_t* odd = even + kP;
-          uint16_t* d = dst + static_cast<size_t>(kk2) * 2 * kP;
-          for (int o = 0; o < kP; ++o) {
-            d[2 * o] = even[o];
-            d[2 * o + 1] = odd[o];
-          }
-        }
-        // k padded to whole tile steps with zero pairs (a zero pair adds +0); an odd k's last row
-        // pairs with a zero.
-        std::memset(dst + static_cast<size_t>(whole) * 2 * kP, 0, static_cast<size_t>(kp / 2 - whole) * 2 * kP * 2);
-        if (k % 2 != 0) {
-          const uint16_t* even = panel + static_cast<int64_t>(k - 1) * kP;
-          uint16_t* d = dst + static_cast<size_t>(whole) * 2 * kP;
-          for (int o = 0; o < kP; ++o) d[2 * o] = even[o];
-        }
-      }
-      const uint16_t* b0 = pairs.data();
-      const uint16_t* b1 = b0 + static_cast<size_t>(kp) * kP;
+      const uint16_t* b0 = static_cast<const uint16_t*>(w.panel(p));
+      const uint16_t* b1 = two ? static_cast<const uint16_t*>(w.panel(p + 1)) : b0;
       for (int blk = 0; blk < blocks; ++blk) {
         const uint16_t* a = staged.data() + static_cast<size_t>(blk) * 16 * kp;
         const int rb = r0 + 16 * blk, re = rb + 16 < r1 ? rb + 16 : r1;
