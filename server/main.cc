@@ -68,10 +68,10 @@ ABSL_FLAG(std::string, weights_dtype, "auto",
           "(half the bytes) or, on the CPU, int8 (a quarter; per-output-channel scales). f32 and bf16 multiply in float32; "
           "int8 quantises each projection's input row and multiplies in integers. docs/benchmarks.md gives each one's "
           "accuracy");
-ABSL_FLAG(std::string, activations_dtype, "f32",
-          "the CPU projections' inputs: f32, or bf16 (rounded to nearest even first; with bf16 weights multiplied by "
-          "AMX-BF16 tiles or AVX-512 BF16 dot products where the CPU has them: twice the arithmetic, the accuracy in "
-          "docs/benchmarks.md)");
+ABSL_FLAG(std::string, activations_dtype, "auto",
+          "the CPU projections' inputs: auto (bf16 with bf16 weights where the CPU has AMX-BF16 or AVX-512 BF16, else "
+          "f32), f32, or bf16 (rounded to nearest even first; with bf16 weights multiplied by AMX-BF16 tiles or "
+          "AVX-512 BF16 dot products where the CPU has them: twice the arithmetic, the accuracy in docs/benchmarks.md)");
 ABSL_FLAG(std::string, kv_cache_dtype, "auto",
           "how the K/V cache is stored (CPU and CUDA): auto (on a GPU bf16; on the CPU bf16 for a bf16 checkpoint, else "
           "f32), f32, or bf16 "

@@ -980,7 +980,7 @@ TEST(DeviceOptionsTest, UnknownStorageTypesAreRefusedWithTheAllowedOnes) {
   for (const auto& [field, name, message] :
        {std::tuple{&DeviceOptions::weights_dtype, "fp16", "--weights_dtype fp16: allowed auto, f32, bf16, int8"},
         std::tuple{&DeviceOptions::kv_cache_dtype, "fp8", "--kv_cache_dtype fp8: allowed auto, f32, bf16"},
-        std::tuple{&DeviceOptions::activations_dtype, "fp16", "--activations_dtype fp16: allowed f32, bf16"},
+        std::tuple{&DeviceOptions::activations_dtype, "fp16", "--activations_dtype fp16: allowed auto, f32, bf16"},
         std::tuple{&DeviceOptions::cuda_gemm, "fast", "--cuda_gemm fast: allowed auto, invariant, cublas, mma"},
         std::tuple{&DeviceOptions::cuda_attention, "flash", "--cuda_attention flash: allowed simt, mma"}}) {
     DeviceOptions o;
@@ -1024,6 +1024,21 @@ TEST(DeviceOptionsTest, AutoPicksPerDeviceAndCheckpoint) {
     EXPECT_EQ(got->weights_dtype, k.want_weights) << what;
     EXPECT_EQ(got->kv_cache_dtype, k.want_kv) << what;
     EXPECT_EQ(got->cuda_gemm, k.want_gemm) << what;
+    // Inputs: bf16 only for bf16 weights on a CPU that multiplies bf16 pairs.
+    const bool bf16_inputs = k.device == "cpu" && k.want_weights == "bf16" && cpu::Bf16DotSupported();
+    EXPECT_EQ(got->activations_dtype, bf16_inputs ? "bf16" : "f32") << what;
+  }
+  // Asked for, the inputs are what was asked (a GPU refuses bf16: Bf16ActivationsTakeEffect...).
+  for (const std::string weights : {"f32", "bf16"}) {
+    for (const std::string inputs : {"f32", "bf16"}) {
+      DeviceOptions o;
+      o.device = "cpu";
+      o.weights_dtype = weights;
+      o.activations_dtype = inputs;
+      auto got = ResolveDeviceOptions(*f32_model, o);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->activations_dtype, inputs) << weights;
+    }
   }
   // A bf16 checkpoint: bf16 on both devices, whichever kernel multiplies.
   auto bf16_model = *Model::Load(testing::GoldenDir() + "/shaw_values_long_range");
@@ -1038,6 +1053,8 @@ TEST(DeviceOptionsTest, AutoPicksPerDeviceAndCheckpoint) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(got->weights_dtype, weights) << device << " " << gemm;
     EXPECT_EQ(got->kv_cache_dtype, kv) << device << " " << gemm;
+    EXPECT_EQ(got->activations_dtype, std::string(device) == "cpu" && cpu::Bf16DotSupported() ? "bf16" : "f32")
+        << device << " " << gemm;
   }
 }
 

@@ -56,8 +56,17 @@ absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOpt
     return absl::InvalidArgumentError(
         absl::StrCat("--weights_dtype ", o.weights_dtype, ": allowed auto, f32, bf16, int8"));
   }
+  if (o.activations_dtype == "auto") {
+    // bf16 weights on a CPU with bf16 dot products (AMX-BF16, AVX-512 BF16) multiply bf16 inputs,
+    // as the checkpoint's own frameworks do: twice float32's arithmetic, and on AMX 1.4-3x the
+    // prefill and batched decode (docs/benchmarks.md; the accuracy there: bits/byte equal to five
+    // decimals). Elsewhere rounding the inputs only slows the float32 kernel, and a GPU takes its
+    // inputs' type from --cuda_gemm.
+    o.activations_dtype = !gpu && weights == cpu::WeightType::kBf16 && cpu::Bf16DotSupported() ? "bf16" : "f32";
+  }
   if (o.activations_dtype != "f32" && o.activations_dtype != "bf16") {
-    return absl::InvalidArgumentError(absl::StrCat("--activations_dtype ", o.activations_dtype, ": allowed f32, bf16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--activations_dtype ", o.activations_dtype, ": allowed auto, f32, bf16"));
   }
   if (gpu && o.activations_dtype != "f32") {
     return absl::InvalidArgumentError(

@@ -24,9 +24,9 @@ struct DeviceOptions {
   // Dense weights: f32, bf16, on the CPU int8, or auto (ResolveDeviceOptions).
   std::string weights_dtype = "auto";
   std::string kv_cache_dtype = "auto";  // K/V cache elements: f32, bf16 or auto (ResolveDeviceOptions)
-  // CPU projections' inputs: f32, or bf16 (rounded first; with bf16 weights AMX-BF16 or
-  // AVX-512 BF16 dot products where the CPU has them: ProjectionInputs::kBf16Dot).
-  std::string activations_dtype = "f32";
+  // CPU projections' inputs: f32, bf16 (rounded first; with bf16 weights AMX-BF16 or AVX-512 BF16
+  // dot products where the CPU has them: ProjectionInputs::kBf16Dot), or auto (ResolveDeviceOptions).
+  std::string activations_dtype = "auto";
   // CUDA projections: "invariant" (relgen's kernel, float32 arithmetic, rows batch invariant),
   // "cublas" (CudaOptions::cublas_gemms), "mma" (tensor cores over bf16 weights,
   // CudaOptions::tensor_cores), or auto (invariant until the tensor cores' kernel is timed).
@@ -42,9 +42,9 @@ struct DeviceOptions {
 
 // `o` with every choice made: the device (auto: CUDA when a GPU is present), its index in
 // `cuda_index`, and the storage and projections that `auto` picks for it. On a GPU: bf16 weights
-// and a bf16 cache, relgen's projection kernel. On the CPU: a bf16
-// checkpoint computes from bf16 weights with bf16 K/V, any other in float32, so no CPU default loses
-// the checkpoint's precision.
+// and a bf16 cache, relgen's projection kernel. On the CPU: a bf16 checkpoint computes from bf16
+// weights with bf16 K/V, any other in float32, so no CPU default loses the checkpoint's precision;
+// bf16 weights take bf16 inputs where the CPU multiplies bf16 pairs (AMX-BF16, AVX-512 BF16).
 // INVALID_ARGUMENT names an unknown value and the allowed ones.
 absl::StatusOr<DeviceOptions> ResolveDeviceOptions(const Model& model, DeviceOptions o, int* cuda_index = nullptr);
 
