@@ -24,6 +24,7 @@ namespace {
 constexpr int kP = PackedMatrix::kPanel;  // outputs per panel: a tile's 16 float32 columns
 constexpr int kStep = 32;                 // k values per tile step: 16 pairs, a 64-byte tile row
 constexpr int kRowChunk = 128;
+constexpr int kAhead = 4096;  // bytes of a panel prefetched ahead of its tile loads
 
 using tiles::TileConfig;
 
@@ -116,6 +117,14 @@ void Panels(const float* x, int rows, const PackedMatrix& w, const float* bias, 
         RELGEN_TILE_ZERO(t, 0);
         RELGEN_TILE_ZERO(t, 1);
         for (int ks = 0; ks < kp; ks += kStep) {
+          if (blk == 0) {
+            // The first block streams the panels from memory: ask for the weights kAhead bytes on
+            // (tile loads alone leave a batch-1 step below the read bandwidth).
+            for (int line = 0; line < 16; ++line) {
+              __builtin_prefetch(reinterpret_cast<const char*>(b0 + ks * kP) + kAhead + 64 * line);
+              if (two) __builtin_prefetch(reinterpret_cast<const char*>(b1 + ks * kP) + kAhead + 64 * line);
+            }
+          }
           RELGEN_TILE_LOAD(t, 2, a + ks, kp * 2);
           RELGEN_TILE_LOAD(t, 3, b0 + ks * kP, 64);
           RELGEN_TILE_DOT(t, 0, 2, 3);
