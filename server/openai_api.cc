@@ -686,6 +686,9 @@ void OpenAiApi::Tokenize(const httplib::Request& req, httplib::Response& res) {
   }
   // As a completion's text prompt becomes ids (server/validation.cc): the BOS first where the model
   // puts one before text.
+  if (absl::Status st = served->tokenizer().Check(text); !st.ok()) {
+    return ReplyError(res, Invalid("prompt", std::string(st.message())));
+  }
   std::vector<int32_t> ids;
   if (special && c.bos_token_id >= 0 && c.bos_before_text) ids.push_back(c.bos_token_id);
   for (int32_t t : served->tokenizer().Encode(text)) ids.push_back(t);

@@ -556,6 +556,7 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   if (c.rel.scheme == relpos::Scheme::kAlibi) rel->set_alibi_bias_max(c.rel.alibi_bias_max);
   info->set_tokenizer(c.tokenizer == TokenizerKind::kByte            ? "byte"
                       : c.tokenizer == TokenizerKind::kSentencePiece ? "sentencepiece"
+                      : c.tokenizer == TokenizerKind::kWord          ? "word"
                                                                      : "bpe");
   info->set_architecture(c.architecture);
   info->set_source(c.source);

@@ -23,6 +23,7 @@ absl::Status ToPrompt(const Msg& in, const ModelConfig& c, const Tokenizer& toke
     if (static_cast<int64_t>(in.text().size()) > options.max_prompt_bytes) {
       return TextTooLong("text", "", in.text().size(), options);
     }
+    if (absl::Status st = tokenizer.Check(in.text()); !st.ok()) return FieldError("text", st.message());
     if (c.bos_token_id >= 0 && c.bos_before_text) out->push_back(c.bos_token_id);
     for (int32_t t : tokenizer.Encode(in.text())) out->push_back(t);
   } else if (in.has_token_ids()) {
@@ -105,6 +106,9 @@ absl::Status ToEngineRequest(const v1::ScoreRequest& in, const ModelConfig& c, c
     if (cont.has_text()) {
       if (static_cast<int64_t>(cont.text().size()) > options.max_prompt_bytes) {
         return TextTooLong("continuations", absl::StrCat("continuations[", i, "] is "), cont.text().size(), options);
+      }
+      if (absl::Status st = tokenizer.Check(cont.text()); !st.ok()) {
+        return FieldError("continuations", absl::StrCat("continuations[", i, "]: ", st.message()));
       }
       ids = tokenizer.Encode(cont.text());
       // Scored after the context, so a BOS the tokenizer puts before every text does not belong.

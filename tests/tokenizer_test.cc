@@ -3,9 +3,12 @@
 // and SentencePiece streaming equal to whole decoding.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "engine/tokenizers/tokenizer.h"
 #include "tests/test_util.h"
@@ -90,6 +93,70 @@ TEST(ByteTokenizerTest, SpecialIdsDecodeToNothing) {
   EXPECT_EQ(tok->TokenText(65), "A");
   EXPECT_EQ(tok->TokenText(0xC3), "\\xC3");
   EXPECT_EQ(tok->TokenText(257), "<257>");
+}
+
+std::string WriteVocab(const std::string& name, const std::string& text) {
+  const std::string path = testing::TempDir("word_vocab") + "/" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+// The word-level tokenizer on random sequences of a random vocabulary: ids are line numbers, text
+// is the words joined by single spaces (any whitespace in), specials write nothing unless kept,
+// an unknown word is refused naming it.
+TEST(WordTokenizerTest, LineNumbersAreIdsAndTextIsSpaceSeparatedWords) {
+  std::mt19937 rng(7);
+  std::vector<std::string> words = {"PAD", "BOS", "EOS"};
+  std::string file = "PAD\nBOS\nEOS\n";
+  while (words.size() < 60) {
+    std::string w;
+    for (int n = 1 + rng() % 4; n > 0; --n) w += "abcdefgHP0123456789_-"[rng() % 21];
+    if (std::find(words.begin(), words.end(), w) != words.end()) continue;
+    words.push_back(w);
+    file += w + (rng() % 2 ? "\n" : "\r\n");
+  }
+  auto tok = NewWordTokenizer(WriteVocab("v.txt", file), 64, {1, 2, 0});
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<int32_t> ids;
+    std::string text, spaced;
+    for (int n = 1 + rng() % 30; n > 0; --n) {
+      const int32_t id = 3 + rng() % (words.size() - 3);
+      ids.push_back(id);
+      text += (text.empty() ? "" : " ") + words[id];
+      spaced += std::string(1 + rng() % 3, " \t\n"[rng() % 3]) + words[id];
+    }
+    EXPECT_EQ((*tok)->Encode(spaced), ids);
+    EXPECT_TRUE((*tok)->Check(spaced).ok());
+    EXPECT_EQ((*tok)->Decode(ids), text);
+    std::vector<int32_t> framed = {1};
+    framed.insert(framed.end(), ids.begin(), ids.end());
+    framed.push_back(2);
+    EXPECT_EQ((*tok)->Decode(framed), text);
+    EXPECT_EQ((*tok)->Decode(framed, /*skip_special_tokens=*/false), "BOS " + text + " EOS");
+  }
+  EXPECT_EQ((*tok)->TokenText(5), words[5]);
+  EXPECT_EQ((*tok)->TokenText(63), "<63>");  // inside vocab_size, past the file's words
+  EXPECT_EQ((*tok)->Decode(std::vector<int32_t>{3, 63, 4}), words[3] + " " + words[4]);
+  const absl::Status unknown = (*tok)->Check(words[3] + " NOT_A_WORD " + words[4]);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.message().find("word 1 of the text, \"NOT_A_WORD\", is not in the model's vocabulary (60 words"),
+            std::string::npos)
+      << unknown.message();
+}
+
+TEST(WordTokenizerTest, BadVocabularyFilesAreRefusedNamingTheLine) {
+  for (const auto& [text, vocab, message] : std::vector<std::tuple<std::string, int, std::string>>{
+           {"a\nb\na\n", 10, "line 3: \"a\" appears twice (first on line 1)"},
+           {"a\n\nb\n", 10, "line 2: a word is non-empty and has no whitespace"},
+           {"a\nb c\n", 10, "line 2: a word is non-empty and has no whitespace"},
+           {"a\nb\nc\n", 2, "has 3 words; the model's vocab_size is 2"},
+           {"", 10, "no words"}}) {
+    auto tok = NewWordTokenizer(WriteVocab("bad.txt", text), vocab, {});
+    EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(tok.status().message().find(message), std::string::npos) << tok.status().message();
+  }
+  EXPECT_EQ(NewWordTokenizer("/nonexistent/vocab.txt", 10, {}).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(SentencePieceTokenizerTest, StreamEqualsWholeDecode) {

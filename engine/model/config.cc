@@ -250,7 +250,8 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
     if (auto st = GetEnum<TokenizerKind>(*it, "kind", "tokenizer.kind",
                                          {{"byte", TokenizerKind::kByte},
                                           {"sentencepiece", TokenizerKind::kSentencePiece},
-                                          {"bpe", TokenizerKind::kBpe}},
+                                          {"bpe", TokenizerKind::kBpe},
+                                          {"word", TokenizerKind::kWord}},
                                          &c.tokenizer, true);
         !st.ok()) {
       return st;
@@ -273,7 +274,7 @@ absl::StatusOr<ModelConfig> ParseJson(const json& j) {
                                               "are the bytes)"));
   }
   if (c.tokenizer != TokenizerKind::kByte && c.tokenizer_file.empty()) {
-    return Invalid("tokenizer.file", "is required for the sentencepiece and bpe tokenizers");
+    return Invalid("tokenizer.file", "is required for the sentencepiece, bpe and word tokenizers");
   }
 
   auto rit = j.find("relative_attention");

@@ -13,7 +13,7 @@ namespace relgen {
 
 enum class NormKind { kLayerNorm, kRmsNorm };
 enum class NormPlacement { kPre, kPost };
-enum class TokenizerKind { kByte, kSentencePiece, kBpe };
+enum class TokenizerKind { kByte, kSentencePiece, kBpe, kWord };
 
 struct RelativeConfig {
   relpos::Scheme scheme = relpos::Scheme::kNone;
@@ -61,7 +61,7 @@ struct ModelConfig {
   // special tokens (its post-processor), so its checkpoints leave this false.
   bool bos_before_text = true;
   TokenizerKind tokenizer = TokenizerKind::kByte;
-  std::string tokenizer_file;  // relative to the model directory (sentencepiece, bpe)
+  std::string tokenizer_file;  // relative to the model directory (sentencepiece, bpe, word)
   // SentencePiece as T5 uses it: sentinel tokens <extra_id_0..N-1> on the ids right above the
   // model's pieces (extra_id_0 highest), and eos_token_id after every encoded text.
   int tokenizer_extra_ids = 0;

@@ -1,13 +1,16 @@
 #include "engine/tokenizers/tokenizer.h"
 
 #include <algorithm>
+#include <fstream>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "engine/tokenizers/sentencepiece_wrapper.h"
 
@@ -184,6 +187,66 @@ class SentencePieceTokenizer final : public Tokenizer {
   int anchor_ = -1;  // a piece that decodes to itself with no space: see SentencePieceStream
 };
 
+// Words separated by one space; the first word a stream writes has none before it. Special ids
+// (BOS, EOS, PAD) write nothing unless kept; an id outside the vocabulary writes nothing.
+class WordStream final : public StreamDecoder {
+ public:
+  WordStream(const std::vector<std::string>* words, const std::vector<bool>* special, bool keep_special)
+      : words_(words), special_(special), keep_special_(keep_special) {}
+  std::string Push(int32_t id) override {
+    if (id < 0 || id >= static_cast<int32_t>(words_->size())) return "";
+    if ((*special_)[id] && !keep_special_) return "";
+    std::string out = first_ ? (*words_)[id] : " " + (*words_)[id];
+    first_ = false;
+    return out;
+  }
+  std::string Finish() override { return ""; }
+
+ private:
+  const std::vector<std::string>* words_;
+  const std::vector<bool>* special_;
+  bool keep_special_;
+  bool first_ = true;
+};
+
+class WordTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> Encode(absl::string_view text) const override {
+    std::vector<int32_t> ids;
+    for (absl::string_view w : absl::StrSplit(text, absl::ByAnyChar(" \t\n\r\f\v"), absl::SkipEmpty())) {
+      auto it = ids_.find(w);
+      if (it != ids_.end()) ids.push_back(it->second);  // Check() refuses the text otherwise
+    }
+    return ids;
+  }
+  absl::Status Check(absl::string_view text) const override {
+    size_t n = 0;
+    for (absl::string_view w : absl::StrSplit(text, absl::ByAnyChar(" \t\n\r\f\v"), absl::SkipEmpty())) {
+      if (!ids_.contains(w)) {
+        return absl::InvalidArgumentError(absl::StrCat("word ", n, " of the text, \"", Escaped(w.substr(0, 64)),
+                                                       "\", is not in the model's vocabulary (", words_.size(),
+                                                       " words, e.g. \"", words_.back(), "\")"));
+      }
+      ++n;
+    }
+    return absl::OkStatus();
+  }
+  std::unique_ptr<StreamDecoder> NewStream() const override {
+    return std::make_unique<WordStream>(&words_, &special_, false);
+  }
+  std::unique_ptr<StreamDecoder> NewStreamWithSpecials() const override {
+    return std::make_unique<WordStream>(&words_, &special_, true);
+  }
+  std::string TokenText(int32_t id) const override {
+    if (id >= 0 && id < static_cast<int32_t>(words_.size())) return words_[id];
+    return absl::StrCat("<", id, ">");
+  }
+
+  std::vector<std::string> words_;
+  std::vector<bool> special_;
+  absl::flat_hash_map<std::string, int32_t> ids_;
+};
+
 }  // namespace
 
 std::string Utf8Assembler::Push(uint8_t b) {
@@ -270,9 +333,47 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::
   return std::unique_ptr<Tokenizer>(std::move(t));
 }
 
+absl::Status Tokenizer::Check(absl::string_view) const { return absl::OkStatus(); }
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> NewWordTokenizer(const std::string& path, int vocab_size,
+                                                           std::vector<int32_t> special_ids) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("word tokenizer: cannot open ", path));
+  auto t = std::make_unique<WordTokenizer>();
+  std::string line;
+  int number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty() || std::any_of(line.begin(), line.end(), [](char c) { return absl::ascii_isspace(c); })) {
+      return absl::InvalidArgumentError(absl::StrCat(path, " line ", number,
+                                                     ": a word is non-empty and has no whitespace"));
+    }
+    if (!t->ids_.emplace(line, static_cast<int32_t>(t->words_.size())).second) {
+      return absl::InvalidArgumentError(absl::StrCat(path, " line ", number, ": \"", Escaped(line),
+                                                     "\" appears twice (first on line ", t->ids_[line] + 1, ")"));
+    }
+    t->words_.push_back(line);
+  }
+  if (t->words_.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no words"));
+  if (static_cast<int64_t>(t->words_.size()) > vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " has ", t->words_.size(), " words; the model's vocab_size is ",
+                                                   vocab_size));
+  }
+  t->special_.assign(t->words_.size(), false);
+  for (int32_t id : special_ids) {
+    if (id >= 0 && id < static_cast<int32_t>(t->words_.size())) t->special_[id] = true;
+  }
+  return std::unique_ptr<Tokenizer>(std::move(t));
+}
+
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewTokenizer(const ModelConfig& config,
                                                         const std::string& model_dir) {
   if (config.tokenizer == TokenizerKind::kByte) return NewByteTokenizer();
+  if (config.tokenizer == TokenizerKind::kWord) {
+    return NewWordTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size,
+                            {config.bos_token_id, config.eos_token_id, config.pad_token_id});
+  }
   if (config.tokenizer == TokenizerKind::kBpe) {
     return NewBpeTokenizer(model_dir + "/" + config.tokenizer_file, config.vocab_size);
   }

@@ -1,5 +1,6 @@
 // Tokenizers: byte-level (ids 0..255 are the bytes; ids above are special and decode to nothing),
-// SentencePiece, and byte-level BPE (Hugging Face tokenizer.json). Decoding never splits a UTF-8
+// SentencePiece, byte-level BPE (Hugging Face tokenizer.json), and word-level (a vocabulary file of
+// whitespace-free words; text is words separated by whitespace). Decoding never splits a UTF-8
 // character: a stream holds bytes back until the character is complete, and replaces invalid or truncated sequences by U+FFFD (one per maximal
 // invalid subpart, as the Unicode standard recommends).
 // Thread-safety: a Tokenizer is immutable and shareable; a StreamDecoder belongs to one sequence.
@@ -30,6 +31,9 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
   virtual std::vector<int32_t> Encode(absl::string_view text) const = 0;
+  // Whether Encode can represent `text` (INVALID_ARGUMENT naming what it cannot); every text is
+  // encodable except by the word-level tokenizer, which has no unknown-word token.
+  virtual absl::Status Check(absl::string_view text) const;
   virtual std::unique_ptr<StreamDecoder> NewStream() const = 0;
   // A stream that writes special tokens' text too, as transformers' skip_special_tokens=False
   // does (the byte-level tokenizer's special ids have no text: the same as NewStream()).
@@ -49,6 +53,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizer(const std::
 // A byte-level BPE tokenizer from a Hugging Face `tokenizer.json` (engine/tokenizers/bpe_tokenizer.cc).
 // Invalid UTF-8 input is made valid first (see bpe_tokenizer.h for the contract).
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewBpeTokenizer(const std::string& path, int vocab_size);
+// A word-level tokenizer: `path` holds one word per line, the line's number (from 0) its id; a word
+// is non-empty and has no whitespace, and no word appears twice. Encode splits on ASCII whitespace;
+// a stream writes the words separated by one space. `special_ids` (the model's BOS, EOS and PAD)
+// decode to nothing unless specials are kept.
+absl::StatusOr<std::unique_ptr<Tokenizer>> NewWordTokenizer(const std::string& path, int vocab_size,
+                                                           std::vector<int32_t> special_ids);
 // The tokenizer a model's config names (files relative to `model_dir`).
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewTokenizer(const ModelConfig& config,
                                                         const std::string& model_dir);
