@@ -14,6 +14,9 @@
 #include <iostream>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/chorale_grid.h"
 #include "client/request_flags.h"
 #include "relgen/v1/generation.grpc.pb.h"
 
@@ -84,6 +87,136 @@ void PrintPromptLogprobs(const google::protobuf::RepeatedPtrField<v1::TokenInfo>
   PrintTokenInfos(infos, "prompt", 1);
 }
 
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+// --midi_in: the prompt's grid (its four voices; --harmonize: its first voice alone, the melody).
+absl::StatusOr<grid::Grid> PromptGrid(const ClientOptions& o) {
+  std::string bytes;
+  if (!ReadFile(o.midi_in, &bytes)) return absl::NotFoundError("cannot read --midi_in " + o.midi_in);
+  absl::StatusOr<std::vector<grid::Voice>> voices = grid::ReadMidiVoices(bytes);
+  if (!voices.ok()) return absl::InvalidArgumentError(o.midi_in + ": " + std::string(voices.status().message()));
+  if (o.harmonize) {
+    voices->resize(grid::kVoices);  // the melody, three empty voices
+    for (int i = 1; i < grid::kVoices; ++i) (*voices)[i].clear();
+  } else if (voices->size() > grid::kVoices) {
+    std::fprintf(stderr, "relgen-client: %s has %zu voices; the first %d are the prompt\n", o.midi_in.c_str(),
+                 voices->size(), grid::kVoices);
+    voices->resize(grid::kVoices);
+  }
+  absl::StatusOr<grid::Grid> g = grid::GridOfVoices(*voices);
+  if (!g.ok()) return absl::InvalidArgumentError(o.midi_in + ": " + std::string(g.status().message()));
+  return g;
+}
+
+// The prompt and what followed it, as grid words -> --midi_out. (A prompt given as token ids has no
+// words here: the file holds the continuation alone.)
+int WriteMidiOut(const ClientOptions& o, const std::string& prompt, const std::string& continuation) {
+  absl::StatusOr<grid::Grid> g = grid::GridOfWords(prompt + " " + continuation);
+  absl::StatusOr<grid::Grid> p = grid::GridOfWords(prompt);
+  if (!g.ok() || !p.ok()) {
+    if (g.ok()) g = p.status();
+    std::fprintf(stderr, "relgen-client: --midi_out: %s (is this a chorale model?)\n",
+                 std::string(g.status().message()).c_str());
+    return kUsageExit;
+  }
+  std::ofstream out(o.midi_out, std::ios::binary);
+  const std::string bytes = grid::WriteMidi(*g, o.midi_tempo);
+  if (!out || !out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())) || !out.flush()) {
+    std::fprintf(stderr, "relgen-client: cannot write --midi_out %s\n", o.midi_out.c_str());
+    return kUsageExit;
+  }
+  std::fprintf(stderr, "[wrote %s: %zu steps of four voices, %zu from the prompt]\n", o.midi_out.c_str(), g->size(),
+               p->size());
+  return 0;
+}
+
+std::unique_ptr<grpc::ClientContext> Context(const ClientOptions& o) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  if (o.timeout_seconds > 0) {
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::microseconds(static_cast<int64_t>(o.timeout_seconds * 1e6)));
+  }
+  return ctx;
+}
+
+// The ids of grid words, read from the server (the tokens Score reports for the words, scored after
+// the model's BOS), so the client needs no copy of the model's vocabulary. Words that are not one
+// token each mean this is no chorale model.
+absl::StatusOr<std::vector<int32_t>> WordIds(const ClientOptions& o, v1::GenerationService::Stub* stub,
+                                             const std::vector<std::string>& words) {
+  auto failed = [](const grpc::Status& s) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  };
+  v1::ModelInfo info;
+  if (grpc::Status s = stub->GetModelInfo(Context(o).get(), v1::GetModelInfoRequest(), &info); !s.ok()) {
+    return failed(s);
+  }
+  if (info.bos_token_id() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model ", info.name(), " has no BOS token; a chorale model (models/chorales) starts with one"));
+  }
+  v1::ScoreRequest request;
+  request.mutable_token_ids()->add_ids(info.bos_token_id());
+  request.add_continuations()->set_text(absl::StrJoin(words, " "));
+  v1::ScoreResponse ids;
+  if (grpc::Status s = stub->Score(Context(o).get(), request, &ids); !s.ok()) return failed(s);
+  if (ids.scores_size() != 1 || ids.scores(0).logprobs_size() != static_cast<int>(words.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", info.name(), "'s tokenizer makes the ", words.size(), " grid words ",
+        ids.scores_size() == 1 ? ids.scores(0).logprobs_size() : 0,
+        " tokens; a chorale model (models/chorales) has one token per grid word"));
+  }
+  std::vector<int32_t> out;
+  for (const auto& lp : ids.scores(0).logprobs()) out.push_back(lp.token_id());
+  return out;
+}
+
+int WordIdsFailed(const absl::Status& s, const ClientOptions& o) {
+  std::fprintf(stderr, "relgen-client: %s%s\n", s.code() == absl::StatusCode::kUnavailable ? "cannot reach relgen-server: " : "",
+               std::string(s.message()).c_str());
+  return s.code() == absl::StatusCode::kInvalidArgument ? kUsageExit : static_cast<int>(s.code());
+}
+
+// --harmonize: for each step the melody's word is appended to the context and the model samples the
+// three lower voices' words, only grid words allowed.
+int Harmonize(const ClientOptions& o, v1::GenerationService::Stub* stub, const grid::Grid& melody) {
+  absl::StatusOr<std::vector<int32_t>> allowed = WordIds(o, stub, grid::StepWords());
+  if (!allowed.ok()) return WordIdsFailed(allowed.status(), o);
+  std::string context;  // after the model's BOS, which the server puts first
+  for (size_t step = 0; step < melody.size(); ++step) {
+    context += (step == 0 ? "" : " ") + melody[step][0];
+    v1::GenerateRequest r = o.request;
+    r.set_text(context);
+    r.set_max_new_tokens(grid::kVoices - 1);
+    r.set_ignore_eos(true);
+    r.clear_allowed_token_ids();
+    for (int32_t id : *allowed) r.add_allowed_token_ids(id);
+    if (o.request.has_seed()) r.set_seed(o.request.seed() + step);  // reproducible, not the same draw each step
+    v1::GenerateResponse resp;
+    if (grpc::Status s = stub->Generate(Context(o).get(), r, &resp); !s.ok()) return Failed(s, o.server);
+    absl::StatusOr<grid::Grid> lower = grid::GridOfWords("P60 " + resp.text());
+    if (!lower.ok() || lower->size() != 1) {
+      std::fprintf(stderr, "relgen-client: --harmonize: step %zu: expected three grid words, got '%s'\n", step,
+                   resp.text().c_str());
+      return kUsageExit;
+    }
+    context += " " + resp.text();
+    if (o.stream) {
+      std::printf("%s %s\n", melody[step][0].c_str(), resp.text().c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (!o.stream) std::printf("%s\n", context.c_str());
+  return o.midi_out.empty() ? 0 : WriteMidiOut(o, context, "");
+}
+
 int Main(int argc, char** argv) {
   ClientOptions o;
   const std::string error = ParseArgs(std::vector<std::string>(argv + 1, argv + argc), &o);
@@ -115,6 +248,24 @@ int Main(int argc, char** argv) {
                      std::chrono::microseconds(static_cast<int64_t>(o.timeout_seconds * 1e6)));
   }
 
+  if (o.command == "midi") {
+    if (!o.midi_in.empty()) {
+      o.harmonize = false;
+      absl::StatusOr<grid::Grid> g = PromptGrid(o);
+      if (!g.ok()) {
+        std::fprintf(stderr, "relgen-client: %s\n", std::string(g.status().message()).c_str());
+        return kUsageExit;
+      }
+      std::printf("%s\n", grid::PromptWords(*g).c_str());
+      return 0;
+    }
+    if (!o.prompt_given) {
+      std::stringstream ss;
+      ss << std::cin.rdbuf();
+      o.request.set_text(ss.str());
+    }
+    return WriteMidiOut(o, o.request.text(), "");
+  }
   if (o.command == "health") {
     // grpc.health.v1.Health/Check for the whole server (an empty HealthCheckRequest: one empty
     // slice, since gRPC refuses a message with no slices). The reply's field 1 is the status
@@ -158,6 +309,23 @@ int Main(int argc, char** argv) {
     return 0;
   }
 
+  if (!o.midi_in.empty()) {
+    absl::StatusOr<grid::Grid> g = PromptGrid(o);
+    if (!g.ok()) {
+      std::fprintf(stderr, "relgen-client: %s\n", std::string(g.status().message()).c_str());
+      return kUsageExit;
+    }
+    if (o.harmonize) return Harmonize(o, stub.get(), *g);
+    o.request.set_text(grid::PromptWords(*g));
+  }
+  if (!o.midi_out.empty() && o.request.allowed_token_ids_size() == 0) {
+    // A piece's words only: BOS or PAD mid-piece would shift the voices; EOS may end it.
+    std::vector<std::string> words = grid::StepWords();
+    words.push_back("EOS");
+    absl::StatusOr<std::vector<int32_t>> allowed = WordIds(o, stub.get(), words);
+    if (!allowed.ok()) return WordIdsFailed(allowed.status(), o);
+    for (int32_t id : *allowed) o.request.add_allowed_token_ids(id);
+  }
   if (!o.prompt_given) {
     std::stringstream ss;
     ss << std::cin.rdbuf();
@@ -185,6 +353,15 @@ int Main(int argc, char** argv) {
     v1::GenerateResponse resp;
     const grpc::Status s = stub->Generate(&ctx, o.request, &resp);
     if (!s.ok()) return Failed(s, o.server);
+    if (!o.midi_out.empty()) {
+      const std::string text = resp.samples().empty() ? resp.text() : resp.samples(0).text();
+      if (o.json) {
+        std::printf("%s\n", Json(resp).c_str());
+      } else {
+        std::printf("%s\n", text.c_str());
+      }
+      return WriteMidiOut(o, o.request.text(), text);
+    }
     if (o.json) {
       std::printf("%s\n", Json(resp).c_str());
     } else {
@@ -205,7 +382,9 @@ int Main(int argc, char** argv) {
   auto reader = stub->GenerateStream(&ctx, o.request);
   v1::GenerateStreamResponse m;
   std::vector<std::string> texts(std::max(n, 1));  // n > 1: each sample's text until it is done
+  std::string streamed;                           // --midi_out: the continuation so far
   while (reader->Read(&m)) {
+    streamed += m.text_delta();
     if (o.json) {
       std::printf("%s\n", Json(m).c_str());
     } else {
@@ -238,6 +417,7 @@ int Main(int argc, char** argv) {
     std::printf("\n");
     return Failed(s, o.server);
   }
+  if (!o.midi_out.empty()) return WriteMidiOut(o, o.request.text(), streamed);
   return 0;
 }
 

@@ -61,13 +61,21 @@ std::string Usage() {
       "                           (log-probability of each continuation after the context)\n"
       "       relgen-client info [--server HOST:PORT]\n"
       "       relgen-client health [--server HOST:PORT]   (grpc.health.v1: prints the status; exit 0 SERVING,\n"
-      "                                                1 NOT_SERVING or UNKNOWN, 14 unreachable, 4 timed out)\n\n"
+      "                                                1 NOT_SERVING or UNKNOWN, 14 unreachable, 4 timed out)\n"
+      "       relgen-client midi --midi_in FILE           (no server: a four-voice MIDI file as chorale grid words)\n"
+      "       relgen-client midi --midi_out FILE [words]  (no server: grid words, else stdin, as a MIDI file)\n\n"
       "connection and output:\n"
       "  --server HOST:PORT   default localhost:50051\n"
       "  --tls_ca FILE        connect with TLS, trusting these PEM roots\n"
       "  --timeout SECONDS    deadline for the call\n"
       "  --stream             print text as it is generated (with --n > 1: each sample once it is done)\n"
       "  --json               print the response(s) as JSON\n\n"
+      "chorale models (models/chorales; generate only):\n"
+      "  --midi_in FILE       the prompt: a four-voice MIDI file (soprano, alto, tenor, bass) as grid words\n"
+      "  --midi_out FILE      write the prompt and its continuation as a four-voice MIDI file\n"
+      "  --harmonize          --midi_in's first voice is a melody; the model writes alto, tenor and bass\n"
+      "                       under it, step by step (one request per sixteenth)\n"
+      "  --midi_tempo BPM     the tempo written to --midi_out (default 80)\n\n"
       "request fields (generate):\n";
   for (const FieldFlag& f : RequestFlags()) u += absl::StrCat("  ", f.flag, "  ", f.help, "\n");
   u += "\nrequest fields (score):\n";
@@ -82,9 +90,10 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
     out->help = true;
     return "";
   }
-  if (args.empty()) return "a command is required: generate, score, info or health";
+  if (args.empty()) return "a command is required: generate, score, info, health or midi";
   out->command = args[0];
-  if (out->command != "generate" && out->command != "score" && out->command != "info" && out->command != "health") {
+  if (out->command != "generate" && out->command != "score" && out->command != "info" && out->command != "health" &&
+      out->command != "midi") {
     return "unknown command '" + out->command + "'";
   }
   const bool score = out->command == "score";
@@ -114,6 +123,11 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
     }
     if (score && (flag == "--stream" || flag == "--ignore_eos")) return flag + " does not apply to score";
     if (flag == "--stream") { boolean(&out->stream); continue; }
+    if (flag == "--harmonize") {
+      if (score) return flag + " does not apply to score";
+      boolean(&out->harmonize);
+      continue;
+    }
     if (flag == "--json") { boolean(&out->json); continue; }
     if (flag == "--ignore_eos") {
       bool b;
@@ -141,6 +155,13 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
       out->server = value;
     } else if (flag == "--tls_ca") {
       out->tls_ca = value;
+    } else if (!score && flag == "--midi_in") {
+      out->midi_in = value;
+    } else if (!score && flag == "--midi_out") {
+      out->midi_out = value;
+    } else if (!score && flag == "--midi_tempo") {
+      if (!absl::SimpleAtoi(value, &iv) || iv < 1 || iv > 1000) return bad("expected beats per minute, 1..1000");
+      out->midi_tempo = iv;
     } else if (flag == "--timeout") {
       if (!absl::SimpleAtod(value, &dv) || dv <= 0) return bad("expected seconds > 0");
       out->timeout_seconds = dv;
@@ -267,6 +288,19 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
     }
     (score ? sr.mutable_text() : r.mutable_text())->assign(absl::StrJoin(words, " "));
     out->prompt_given = true;
+  }
+  if (!out->midi_in.empty() && out->prompt_given) {
+    return "give the prompt once: --midi_in, --prompt, --token_ids or words";
+  }
+  if (!out->midi_in.empty()) out->prompt_given = true;
+  if (out->harmonize && out->midi_in.empty()) return "--harmonize needs --midi_in (the melody)";
+  if ((!out->midi_out.empty() || out->harmonize) && (r.n() > 1 || r.num_beams() > 1)) {
+    return "--midi_out and --harmonize take one sample: --n 1 and --num_beams 1";
+  }
+  if (out->command == "midi") {
+    if (out->midi_in.empty() == out->midi_out.empty()) return "midi needs one of --midi_in or --midi_out";
+    if (out->harmonize) return "--harmonize applies to generate";
+    if (!out->midi_in.empty() && !words.empty()) return "midi --midi_in takes no words";
   }
   if (score && sr.continuations_size() == 0) {
     return "score needs at least one --continuation or --continuation_token_ids";

@@ -18,6 +18,11 @@ struct ClientOptions {
   double timeout_seconds = 0;  // 0: no deadline
   std::string tls_ca;          // PEM roots: connect with TLS
   bool prompt_given = false;   // --prompt, --token_ids or positional words (score: the context)
+  // Chorale models (client/chorale_grid.h): the prompt from a MIDI file, the result written to one.
+  std::string midi_in;
+  std::string midi_out;
+  bool harmonize = false;  // --midi_in's first voice is the soprano; the model fills the other three
+  int midi_tempo = 80;     // beats per minute in --midi_out
   v1::GenerateRequest request;
   v1::ScoreRequest score;      // the score command's request
 };

@@ -23,9 +23,14 @@ packages=(
   prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libopenblas0-pthread
   nlohmann-json3-dev libsentencepiece-dev libcpp-httplib-dev
   python3 python3-torch python3-numpy openssl curl clang libclang-rt-14-dev llvm
-  fortunes prometheus python3-brotli python3-yaml python3-grpcio python3-grpc-tools python3-protobuf python3-venv python3-setuptools python3-pip python3-matplotlib
+  fortunes prometheus python3-brotli python3-yaml python3-grpcio python3-grpc-tools python3-protobuf python3-venv python3-setuptools python3-pip python3-matplotlib python3-mido
   podman runc debootstrap
 )
+# Listening to what models/chorales writes (tools/render_chorale.py): FluidSynth and a General MIDI
+# soundfont (145 MB), for the server's machine only; the tests do not render audio.
+if [ "$mode" = serve ]; then
+  packages+=(fluidsynth fluid-soundfont-gm)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -53,6 +58,18 @@ if [ "$mode" = test ]; then
       "transformers==4.46.3" "tokenizers==0.20.3" "sentencepiece==0.2.0" \
       "openai==1.58.1" "httpx==0.28.1" \
       "lm-eval[api]==0.4.13" "accelerate==0.34.2" "pyarrow<=21" "numpy==1.24.2" "pandas<2.3"
+  fi
+fi
+# music21 (Bach's chorales, tools/chorales.py), mido (MIDI) and matplotlib (piano rolls) for the
+# chorale model's tools and tests; a venv of its own, since music21 10 needs numpy >= 1.26 and
+# Debian's torch is built on 1.24.
+if [ "$mode" = test ] || [ "$mode" = serve ]; then
+  venv=build-music-venv
+  if ! "$venv/bin/python" -c 'import music21, mido, matplotlib' 2>/dev/null; then
+    echo "== making $venv (music21 10.5.1, mido 1.3.3, matplotlib 3.11.2 from PyPI)"
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "music21==10.5.1" "mido==1.3.3" "matplotlib==3.11.2"
   fi
 fi
 
@@ -137,6 +154,9 @@ case "$mode" in
     ;;
   serve)
     model=models/default
+    for arg in "$@"; do
+      case "$arg" in --model|--model=*) exec build/server/relgen-server "$@" ;; esac
+    done
     if [ ! -f "$model/config.json" ]; then
       # Until a trained model ships, serve a small random one (its output is noise).
       model=build/demo-model

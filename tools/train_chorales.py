@@ -12,6 +12,9 @@ relgen format.
   skew      Music Transformer's relative keys with the skew, global, --window rows (distances
             0..window-1; farther ones add nothing)
 
+--holds repeat trains on the paper's JSB serialization instead (a long note is its pitch repeated every
+sixteenth, no H), for comparing NLLs with its table; such a model is not exported (MIDI out needs H).
+
 Same size, steps, data order and seed for each. A training step takes a batch of chorales, each
 transposed by a random shift of -5..+6 semitones that keeps it in the vocabulary's range and cropped
 to --seq tokens at a random start (chorales are 386-3522 tokens, median 770); loss on every token
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import chorales  # noqa: E402
-import safetensors_io  # noqa: E402
+import train  # noqa: E402
 
 PAD, BOS, EOS = chorales.IDS["PAD"], chorales.IDS["BOS"], chorales.IDS["EOS"]
 VOCAB = len(chorales.VOCAB)
@@ -46,8 +49,27 @@ def load_split(data, part):
     return [(j["name"], j["grid"]) for j in map(json.loads, open(os.path.join(data, f"{part}.jsonl")))]
 
 
+HOLDS = "hold"  # --holds
+
+
+def repeated(grid):
+    """The grid with each H replaced by the pitch that sounds (the paper's JSB serialization, where a
+    long note is its pitch repeated every sixteenth and a held note cannot be told from a re-struck
+    one)."""
+    out, last = [], ["R"] * 4
+    for step in grid:
+        row = []
+        for v, t in enumerate(step):
+            if t == chorales.HOLD:
+                t = last[v]
+            row.append(t)
+            last[v] = t
+        out.append(row)
+    return out
+
+
 def ids_of(grid):
-    return [chorales.IDS[t] for t in chorales.tokens_of_grid(grid)]
+    return [chorales.IDS[t] for t in chorales.tokens_of_grid(repeated(grid) if HOLDS == "repeat" else grid)]
 
 
 def sinusoid(L, d):
@@ -133,26 +155,8 @@ class LM(nn.Module):
             "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
             "tokenizer": {"kind": "word", "file": "vocab.txt"}, "relative_attention": rel,
         }
-        t = {"embed.weight": self.embed.weight, "final_norm.weight": self.final_norm.weight,
-             "final_norm.bias": self.final_norm.bias}
-        for i, layer in enumerate(self.layers):
-            p = f"layers.{i}."
-            for name in ("attn_norm", "ffn_norm"):
-                t[p + name + ".weight"] = getattr(layer, name).weight
-                t[p + name + ".bias"] = getattr(layer, name).bias
-            for name in "qkvo":
-                t[p + "attn." + name + ".weight"] = getattr(layer, name).weight
-                t[p + "attn." + name + ".bias"] = getattr(layer, name).bias
-            t[p + "attn.rel_k"] = layer.rel_k
-            for name in ("up", "down"):
-                t[p + "ffn." + name + ".weight"] = getattr(layer, name).weight
-                t[p + "ffn." + name + ".bias"] = getattr(layer, name).bias
-        os.makedirs(out_dir, exist_ok=True)
-        safetensors_io.save(os.path.join(out_dir, "model.safetensors"),
-                            {k: v.detach().float().numpy() for k, v in t.items()}, dtypes={k: dtype for k in t})
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-            f.write("\n")
+        # The same modules and tensor names as tools/train.py's decoder: its export writes them.
+        train.LM.export(self, cfg, out_dir, dtype=dtype)
         with open(os.path.join(out_dir, "vocab.txt"), "w") as f:
             f.write("\n".join(chorales.VOCAB) + "\n")
 
@@ -203,7 +207,12 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--holds", choices=("hold", "repeat"), default="hold",
+                    help="hold: H continues a note (relgen's grid, what MIDI out needs); repeat: the pitch again, "
+                         "as the paper's JSB data (for its NLL table only: no export)")
     a = ap.parse_args()
+    global HOLDS
+    HOLDS = a.holds
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     train, val, test = (load_split(a.data, p) for p in ("train", "validation", "test"))
@@ -237,12 +246,12 @@ def main():
     t, per_test = nll(model, test)
     print(f"{a.attention}: {step} steps in {minutes:.1f} min; NLL/token validation {v:.4f}, test {t:.4f}", flush=True)
     out = a.out or os.path.join(a.data, f"run-{a.attention}")
-    if a.attention != "absolute":
+    if a.attention != "absolute" and a.holds == "hold":
         longest = max(len(ids_of(g)) for _, g in train + val + test)
         model.export(a, out, max_seq_len=max(2048, 1 << (longest - 1).bit_length()))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "training.json"), "w") as f:
-        json.dump({"attention": a.attention, "steps": step, "minutes": round(minutes, 1), "seed": a.seed,
+        json.dump({"attention": a.attention, "holds": a.holds, "steps": step, "minutes": round(minutes, 1), "seed": a.seed,
                    "batch": a.batch, "seq": a.seq, "d_model": a.d_model, "layers": a.layers, "heads": a.heads,
                    "window": a.window, "clip": a.clip, "lr": a.lr, "parameters": params, "threads": a.threads,
                    "validation_nll_per_token": round(v, 5), "test_nll_per_token": round(t, 5),
