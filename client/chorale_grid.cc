@@ -1,6 +1,7 @@
 #include "client/chorale_grid.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -15,6 +16,7 @@ namespace relgen::client::grid {
 namespace {
 
 constexpr const char* kVoiceNames[kVoices] = {"soprano", "alto", "tenor", "bass"};
+constexpr char kVoiceLetters[kVoices] = {'S', 'A', 'T', 'B'};
 
 // A file's bytes, read with bounds checks: a truncated or lying length is an error, never a read past
 // the end.
@@ -291,38 +293,67 @@ std::string WriteMidi(const Grid& grid, int tempo_bpm) {
   return out;
 }
 
+std::string Word(int voice, const std::string& cell) { return absl::StrCat(std::string(1, kVoiceLetters[voice]), ":", cell); }
+
 std::string PromptWords(const Grid& grid) {
   std::string out;
   for (const Step& s : grid) {
-    for (const std::string& w : s) absl::StrAppend(&out, out.empty() ? "" : " ", w);
+    for (int v = 0; v < kVoices; ++v) absl::StrAppend(&out, out.empty() ? "" : " ", Word(v, s[v]));
   }
   return out;
 }
 
-absl::StatusOr<Grid> GridOfWords(const std::string& text) {
-  std::vector<std::string> body;
+absl::StatusOr<Grid> GridOfWords(const std::string& text, int* filled) {
+  if (filled != nullptr) *filled = 0;
+  Grid grid;
+  std::array<std::string, kVoices> step;  // "" where the step has no word for that voice yet
+  int last = -1;                          // the voice of the step's latest word
+  // A step the model left without some voice's word: that voice goes on as it was (held, or silent).
+  auto close = [&]() {
+    for (int v = 0; v < kVoices; ++v) {
+      if (!step[v].empty()) continue;
+      step[v] = grid.empty() || grid.back()[v] == "R" ? "R" : "H";
+      if (filled != nullptr) ++*filled;
+    }
+    grid.push_back(Step{step[0], step[1], step[2], step[3]});
+    step = {};
+  };
   for (absl::string_view w : absl::StrSplit(text, absl::ByAnyChar(" \t\r\n"), absl::SkipEmpty())) {
     if (w == "EOS") break;
     if (w == "PAD" || w == "BOS") continue;
+    const char* letter = w.size() > 2 && w[1] == ':' ? std::find(kVoiceLetters, kVoiceLetters + kVoices, w[0])
+                                                     : kVoiceLetters + kVoices;
+    const absl::string_view cell = w.substr(std::min<size_t>(2, w.size()));
     int midi;
-    const bool pitch = w.size() > 1 && w[0] == 'P' && absl::SimpleAtoi(w.substr(1), &midi) && midi >= kLowPitch &&
-                       midi <= kHighPitch;
-    if (!pitch && w != "H" && w != "R") {
-      return absl::InvalidArgumentError(absl::StrCat("'", w, "' is not a grid word (R, H, P", kLowPitch, "..P",
-                                                     kHighPitch, ", PAD, BOS, EOS)"));
+    const bool pitch = cell.size() > 1 && cell[0] == 'P' && absl::SimpleAtoi(cell.substr(1), &midi) &&
+                       midi >= kLowPitch && midi <= kHighPitch;
+    if (letter == kVoiceLetters + kVoices || (!pitch && cell != "H" && cell != "R")) {
+      return absl::InvalidArgumentError(absl::StrCat("'", w, "' is not a grid word (a voice S, A, T or B, ':', then R, H or P",
+                                                     kLowPitch, "..P", kHighPitch, "; or PAD, BOS, EOS)"));
     }
-    body.emplace_back(w);
+    const int voice = static_cast<int>(letter - kVoiceLetters);
+    if (voice <= last) close();  // voices come S A T B within a step: this word begins the next one
+    step[voice] = std::string(cell);
+    last = voice;
+    if (voice == kVoices - 1) {
+      close();
+      last = -1;
+    }
   }
-  Grid grid;
-  for (size_t i = 0; i + kVoices <= body.size(); i += kVoices) {
-    grid.push_back(Step{body[i], body[i + 1], body[i + 2], body[i + 3]});
-  }
-  return grid;
+  return grid;  // a trailing step without its bass word is dropped: the text stopped inside it
+}
+
+std::vector<std::string> VoiceWords(int voice) {
+  std::vector<std::string> words = {Word(voice, "R"), Word(voice, "H")};
+  for (int m = kLowPitch; m <= kHighPitch; ++m) words.push_back(Word(voice, absl::StrCat("P", m)));
+  return words;
 }
 
 std::vector<std::string> StepWords() {
-  std::vector<std::string> words = {"R", "H"};
-  for (int m = kLowPitch; m <= kHighPitch; ++m) words.push_back(absl::StrCat("P", m));
+  std::vector<std::string> words;
+  for (int v = 0; v < kVoices; ++v) {
+    for (std::string& w : VoiceWords(v)) words.push_back(std::move(w));
+  }
   return words;
 }
 

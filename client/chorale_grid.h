@@ -1,8 +1,10 @@
 // The chorale grid of models/chorales (tools/chorales.py is the reference): time in sixteenth notes,
-// four voices per step (soprano, alto, tenor, bass), one word per voice and step:
+// four voices per step (soprano, alto, tenor, bass), one cell per voice and step:
 //   P<midi>  a note of that pitch starts here     H  the voice's note still sounds     R  silence
-// A piece is BOS, 4 words per step, EOS. This is the client's side of it: Standard MIDI Files in and
-// out, and the grid as the model's words. Thread-safety: pure functions.
+// The model's word for a cell names its voice: S:P67 A:H T:P59 B:R. (With one word set shared by the
+// voices a small model loses track of which voice a word is for, and its voices wander into each
+// other's ranges.) A piece is BOS, 4 words per step, EOS. This is the client's side of it: Standard
+// MIDI Files in and out, and the grid as the model's words. Thread-safety: pure functions.
 #pragma once
 
 #include <array>
@@ -46,15 +48,24 @@ std::vector<Voice> VoicesOfGrid(const Grid& grid);
 // tempo in the first.
 std::string WriteMidi(const Grid& grid, int tempo_bpm = 80);
 
-// "w w w w w w w w ...": the words of a prompt, 4 per step, neither BOS (the server puts the model's
-// BOS before every text prompt) nor EOS (so the model continues it).
+// Voice `voice`'s word for a cell: "S:P67", "B:H".
+std::string Word(int voice, const std::string& cell);
+
+// "S:w A:w T:w B:w S:w ...": the words of a prompt, 4 per step, neither BOS (the server puts the
+// model's BOS before every text prompt) nor EOS (so the model continues it).
 std::string PromptWords(const Grid& grid);
 
-// The model's words -> the grid: PAD and BOS dropped, everything from EOS on dropped, a trailing
-// partial step dropped. INVALID_ARGUMENT naming a word that is not a grid word.
-absl::StatusOr<Grid> GridOfWords(const std::string& text);
+// The model's words -> the grid: PAD and BOS dropped, everything from EOS on dropped. Each word is
+// the cell of the voice it names; voices come S A T B within a step, so a word whose voice is not
+// after the previous word's begins the next step. A voice a step has no word for (the model skipped
+// it) goes on as it was: H after a note or H, R after R; `filled`, when given, counts those. A
+// trailing step without its bass word is dropped. INVALID_ARGUMENT naming a word that is not a grid
+// word.
+absl::StatusOr<Grid> GridOfWords(const std::string& text, int* filled = nullptr);
 
-// The words every voice may take (R, H, P24..P96): the allowed set of a harmonization step.
+// One voice's words (R, H, P24..P96), e.g. the allowed set of a harmonization step's lower voices.
+std::vector<std::string> VoiceWords(int voice);
+// Every voice's words.
 std::vector<std::string> StepWords();
 
 }  // namespace relgen::client::grid

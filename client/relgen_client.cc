@@ -14,6 +14,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/chorale_grid.h"
@@ -118,7 +119,8 @@ absl::StatusOr<grid::Grid> PromptGrid(const ClientOptions& o) {
 // The prompt and what followed it, as grid words -> --midi_out. (A prompt given as token ids has no
 // words here: the file holds the continuation alone.)
 int WriteMidiOut(const ClientOptions& o, const std::string& prompt, const std::string& continuation) {
-  absl::StatusOr<grid::Grid> g = grid::GridOfWords(prompt + " " + continuation);
+  int filled = 0;
+  absl::StatusOr<grid::Grid> g = grid::GridOfWords(prompt + " " + continuation, &filled);
   absl::StatusOr<grid::Grid> p = grid::GridOfWords(prompt);
   if (!g.ok() || !p.ok()) {
     if (g.ok()) g = p.status();
@@ -134,6 +136,9 @@ int WriteMidiOut(const ClientOptions& o, const std::string& prompt, const std::s
   }
   std::fprintf(stderr, "[wrote %s: %zu steps of four voices, %zu from the prompt]\n", o.midi_out.c_str(), g->size(),
                p->size());
+  if (filled > 0) {
+    std::fprintf(stderr, "[%d times a step had no word for a voice; that voice went on as it was]\n", filled);
+  }
   return 0;
 }
 
@@ -184,32 +189,41 @@ int WordIdsFailed(const absl::Status& s, const ClientOptions& o) {
   return s.code() == absl::StatusCode::kInvalidArgument ? kUsageExit : static_cast<int>(s.code());
 }
 
-// --harmonize: for each step the melody's word is appended to the context and the model samples the
-// three lower voices' words, only grid words allowed.
+// --harmonize: for each step the melody's word is appended to the context, then the model samples
+// the alto's word with only alto words allowed, then the tenor's, then the bass's.
 int Harmonize(const ClientOptions& o, v1::GenerationService::Stub* stub, const grid::Grid& melody) {
-  absl::StatusOr<std::vector<int32_t>> allowed = WordIds(o, stub, grid::StepWords());
-  if (!allowed.ok()) return WordIdsFailed(allowed.status(), o);
+  std::vector<std::vector<int32_t>> allowed(grid::kVoices);
+  for (int v = 1; v < grid::kVoices; ++v) {
+    absl::StatusOr<std::vector<int32_t>> ids = WordIds(o, stub, grid::VoiceWords(v));
+    if (!ids.ok()) return WordIdsFailed(ids.status(), o);
+    allowed[v] = *std::move(ids);
+  }
   std::string context;  // after the model's BOS, which the server puts first
   for (size_t step = 0; step < melody.size(); ++step) {
-    context += (step == 0 ? "" : " ") + melody[step][0];
-    v1::GenerateRequest r = o.request;
-    r.set_text(context);
-    r.set_max_new_tokens(grid::kVoices - 1);
-    r.set_ignore_eos(true);
-    r.clear_allowed_token_ids();
-    for (int32_t id : *allowed) r.add_allowed_token_ids(id);
-    if (o.request.has_seed()) r.set_seed(o.request.seed() + step);  // reproducible, not the same draw each step
-    v1::GenerateResponse resp;
-    if (grpc::Status s = stub->Generate(Context(o).get(), r, &resp); !s.ok()) return Failed(s, o.server);
-    absl::StatusOr<grid::Grid> lower = grid::GridOfWords("P60 " + resp.text());
-    if (!lower.ok() || lower->size() != 1) {
-      std::fprintf(stderr, "relgen-client: --harmonize: step %zu: expected three grid words, got '%s'\n", step,
-                   resp.text().c_str());
-      return kUsageExit;
+    std::string words = grid::Word(0, melody[step][0]);
+    context += (step == 0 ? "" : " ") + words;
+    for (int v = 1; v < grid::kVoices; ++v) {
+      v1::GenerateRequest r = o.request;
+      r.set_text(context);
+      r.set_max_new_tokens(1);
+      r.set_ignore_eos(true);
+      r.clear_allowed_token_ids();
+      for (int32_t id : allowed[v]) r.add_allowed_token_ids(id);
+      // Reproducible, and not the same draw at every place.
+      if (o.request.has_seed()) r.set_seed(o.request.seed() + grid::kVoices * step + v);
+      v1::GenerateResponse resp;
+      if (grpc::Status s = stub->Generate(Context(o).get(), r, &resp); !s.ok()) return Failed(s, o.server);
+      const std::string word(absl::StripAsciiWhitespace(resp.text()));
+      if (resp.token_ids_size() != 1 || word.rfind(grid::Word(v, ""), 0) != 0) {
+        std::fprintf(stderr, "relgen-client: --harmonize: step %zu: expected one %s word, got '%s'\n", step,
+                     grid::Word(v, "").c_str(), resp.text().c_str());
+        return kUsageExit;
+      }
+      context += " " + word;
+      words += " " + word;
     }
-    context += " " + resp.text();
     if (o.stream) {
-      std::printf("%s %s\n", melody[step][0].c_str(), resp.text().c_str());
+      std::printf("%s\n", words.c_str());
       std::fflush(stdout);
     }
   }

@@ -53,7 +53,7 @@ TEST(ChoraleGridTest, ReadsAHandWrittenFormat0File) {
   ASSERT_TRUE(g.ok()) << g.status();
   const Grid want = {{"P60", "P55", "P52", "P36"}, {"H", "H", "H", "H"}, {"P62", "H", "H", "H"}, {"H", "H", "H", "H"}};
   EXPECT_EQ(*g, want);
-  EXPECT_EQ(PromptWords(*g), "P60 P55 P52 P36 H H H H P62 H H H H H H H");
+  EXPECT_EQ(PromptWords(*g), "S:P60 A:P55 T:P52 B:P36 S:H A:H T:H B:H S:P62 A:H T:H B:H S:H A:H T:H B:H");
 }
 
 // The writer's bytes, derived by hand for a two-step grid.
@@ -105,23 +105,49 @@ TEST(ChoraleGridTest, RandomGridsRoundTrip) {
     absl::StatusOr<Grid> back = GridOfVoices(*v);
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(*back, g) << "trial " << trial;
-    absl::StatusOr<Grid> words = GridOfWords(PromptWords(g) + " EOS P60 P60 P60 P60");
-    ASSERT_TRUE(words.ok());
+    int filled = -1;
+    absl::StatusOr<Grid> words = GridOfWords(PromptWords(g) + " EOS S:P60 A:P60 T:P60 B:P60", &filled);
+    ASSERT_TRUE(words.ok()) << words.status();
     EXPECT_EQ(*words, g);
+    EXPECT_EQ(filled, 0);
   }
 }
 
-TEST(ChoraleGridTest, WordsOutsideTheGridAndPartialSteps) {
-  absl::StatusOr<Grid> g = GridOfWords("PAD BOS P60 R R R H P61");
+TEST(ChoraleGridTest, WordsReadByTheVoiceTheyNameSkippedVoicesGoOn) {
+  absl::StatusOr<Grid> g = GridOfWords("PAD BOS S:P60 A:R T:R B:R S:H A:P61");
   ASSERT_TRUE(g.ok());
-  EXPECT_EQ(*g, (Grid{{"P60", "R", "R", "R"}}));  // the partial step is dropped
-  for (const char* bad : {"P60 hello R R", "P97 R R R", "P23 R R R", "Px R R R"}) {
+  EXPECT_EQ(*g, (Grid{{"P60", "R", "R", "R"}}));  // the text stopped inside the second step
+  // A step without the bass's word (the model went on with the next soprano), one without the
+  // soprano's, one of the bass alone, one of the alto alone: each missing voice goes on as it was,
+  // held after a note or a hold, silent after a rest; words in any other order begin new steps.
+  int filled = -1;
+  g = GridOfWords("S:P60 A:P55 T:R B:P36 S:H A:H T:P52 S:P62 A:P57 T:H B:H B:P38 A:R A:H S:R T:R B:R", &filled);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (Grid{{"P60", "P55", "R", "P36"},
+                      {"H", "H", "P52", "H"},     // B filled: held
+                      {"P62", "P57", "H", "H"},
+                      {"H", "H", "H", "P38"},     // S, A, T filled
+                      {"H", "R", "H", "H"},       // S, T, B filled
+                      {"H", "H", "H", "H"},       // S, T, B filled; A:H after A:R is the model's word
+                      {"R", "H", "R", "R"}}));    // A filled
+  EXPECT_EQ(filled, 1 + 3 + 3 + 3 + 1);
+  // A word naming a voice already given in the step begins the next step, even the same voice twice.
+  g = GridOfWords("S:P60 A:P55 A:P57 T:R B:R", &filled);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (Grid{{"P60", "P55", "R", "R"}, {"H", "P57", "R", "R"}}));
+  EXPECT_EQ(filled, 3);
+  for (const char* bad : {"S:P60 hello T:R B:R", "S:P97 A:R T:R B:R", "S:P23 A:R T:R B:R", "S:Px A:R T:R B:R",
+                          "P60 A:R T:R B:R", "X:P60 A:R T:R B:R", "S: A:R T:R B:R", "S:P60 A:R T:R B:RR"}) {
     absl::StatusOr<Grid> b = GridOfWords(bad);
     ASSERT_FALSE(b.ok()) << bad;
     EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(b.status().message().find("not a grid word"), std::string::npos) << b.status();
   }
-  EXPECT_EQ(StepWords().size(), 2u + kHighPitch - kLowPitch + 1);
+  EXPECT_EQ(VoiceWords(3).size(), 2u + kHighPitch - kLowPitch + 1);
+  EXPECT_EQ(VoiceWords(3)[0], "B:R");
+  EXPECT_EQ(VoiceWords(3).back(), "B:P96");
+  EXPECT_EQ(StepWords().size(), 4 * VoiceWords(0).size());
+  EXPECT_EQ(Word(1, "P64"), "A:P64");
 }
 
 TEST(ChoraleGridTest, RefusesWhatItCannotRead) {

@@ -9,6 +9,7 @@ python; RELGEN_CHORALE_DATA is tools/chorales.py build's folder, RELGEN_CLIENT_B
   range over the corpus."""
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,33 @@ class ChoraleGridTest(unittest.TestCase):
                     notes = [m.note for m in track if m.type == "note_on" and m.velocity > 0]
                     self.assertTrue(all(lo[v] <= n <= hi[v] for n in notes), (v, lo[v], hi[v]))
                     self.assertTrue(all(m.channel == v for m in track if not m.is_meta))
+
+    def test_skipped_words_read_alike_on_both_sides(self):
+        # Sampled text can skip a voice's word; the C++ reader (relgen-client midi --midi_out) and
+        # chorales.grid_of_tokens read the same words to the same grid, and it is the hand-derived one.
+        hand = "S:P60 A:P55 T:R B:P36 S:H A:H T:P52 S:P62 A:P57 T:H B:H B:P38 A:R A:H S:R T:R B:R".split()
+        self.assertEqual(chorales.grid_of_tokens(hand),
+                         [["P60", "P55", "R", "P36"], ["H", "H", "P52", "H"], ["P62", "P57", "H", "H"],
+                          ["H", "H", "H", "P38"], ["H", "R", "H", "H"], ["H", "H", "H", "H"], ["R", "H", "R", "R"]])
+        rng = random.Random(5)
+        for item in self.items[:40]:
+            with self.subTest(chorale=item["name"]):
+                full = chorales.tokens_of_grid(item["grid"])[1:-1]
+                kept = [i for i in range(len(full)) if rng.random() > 0.05]
+                words = [full[i] for i in kept]
+                grid = chorales.grid_of_tokens(words)
+                # Every step keeps its place; the last goes only with its bass word.
+                self.assertEqual(len(grid), len(item["grid"]) - (kept[-1] != len(full) - 1))
+                self.assertNotEqual(grid, item["grid"][: len(grid)])
+                # A hold where nothing sounds (a soprano word dropped from the first step, then its
+                # hold) is silence in MIDI; and a MIDI file ends with its last note.
+                for i in range(1, len(grid)):
+                    grid[i] = ["R" if t == "H" and grid[i - 1][v] == "R" else t for v, t in enumerate(grid[i])]
+                while grid and all(t == "R" for t in grid[-1]):
+                    grid.pop()
+                cc_mid = os.path.join(self.tmp.name, "skipped.mid")
+                self.client("--midi_out", cc_mid, text=" ".join(words))
+                self.assertEqual(chorales.read_midi(cc_mid), grid)
 
 
 if __name__ == "__main__":

@@ -9,18 +9,23 @@
 
 The grid (the paper's JSB representation, section 4.1 of Huang et al. 2018): time in sixteenth
 notes; at each step the four voices in the order soprano, alto, tenor, bass; per voice and step one
-token:
+cell:
 
   P<midi>  a note of that MIDI pitch starts on this step
   H        the voice's note started earlier and still sounds (held, or tied over a bar line)
   R        the voice is silent
+
+The model's token for a cell names its voice, S: A: T: B: (S:P67 A:H T:P59 B:R): with one token set
+shared by the voices, a small relative-attention model loses track of which voice a token is for
+(nothing in its input says where a step starts once every voice holds) and its voices wander into
+each other's ranges. The data files hold the cells; tokens_of_grid makes the tokens.
 
 A chorale is BOS, then 4 tokens per step, then EOS. A note's length is its onset step plus the H
 steps after it, so a grid is the notes and their timing exactly for any score whose onsets and
 durations fall on sixteenths (the chorales that do not are left out, and listed by `build`).
 
 Vocabulary (VOCAB below; written to DIR/vocab.txt, one token per line, the line number its id):
-PAD BOS EOS R H, then P24..P96. Transposition for augmentation shifts every pitch by -5..+6
+PAD BOS EOS, then per voice S A T B: X:R X:H X:P24..X:P96 (303 tokens). Transposition for augmentation shifts every pitch by -5..+6
 semitones (the 12 keys, as the paper did for its JSB models), skipping shifts that would leave
 P24..P96.
 
@@ -33,9 +38,11 @@ import sys
 
 PAD, BOS, EOS, REST, HOLD = "PAD", "BOS", "EOS", "R", "H"
 LOW, HIGH = 24, 96
-VOCAB = [PAD, BOS, EOS, REST, HOLD] + [f"P{m}" for m in range(LOW, HIGH + 1)]
-IDS = {t: i for i, t in enumerate(VOCAB)}
 VOICES = ("soprano", "alto", "tenor", "bass")
+LETTERS = ("S", "A", "T", "B")
+CELLS = [REST, HOLD] + [f"P{m}" for m in range(LOW, HIGH + 1)]
+VOCAB = [PAD, BOS, EOS] + [f"{letter}:{c}" for letter in LETTERS for c in CELLS]
+IDS = {t: i for i, t in enumerate(VOCAB)}
 STEP = 0.25  # quarter lengths per grid step: a sixteenth note
 TICKS = 480  # MIDI ticks per quarter note in the files written here
 STEP_TICKS = int(TICKS * STEP)
@@ -110,16 +117,36 @@ def notes_of_grid(grid):
 
 
 def tokens_of_grid(grid):
-    return [BOS] + [t for step in grid for t in step] + [EOS]
+    return [BOS] + [f"{LETTERS[v]}:{c}" for step in grid for v, c in enumerate(step)] + [EOS]
 
 
 def grid_of_tokens(tokens):
-    """Tokens (BOS and EOS optional, PAD dropped) -> [steps][4]; a trailing partial step is
-    dropped."""
-    body = [t for t in tokens if t not in (PAD, BOS)]
-    if EOS in body:
-        body = body[: body.index(EOS)]
-    return [body[i : i + 4] for i in range(0, len(body) - len(body) % 4, 4)]
+    """Tokens (BOS and EOS optional, PAD dropped) -> [steps][4] cells, as the client reads sampled words:
+    each word is the cell of the voice it names; a word whose voice does not come after the previous
+    word's begins the next step; a voice a step has no word for goes on as it was (H after a note or
+    H, R after R); a trailing step without its bass word is dropped."""
+    grid, step, last = [], [None] * 4, -1
+
+    def close():
+        for v in range(4):
+            if step[v] is None:
+                step[v] = "R" if not grid or grid[-1][v] == "R" else "H"
+        grid.append(list(step))
+
+    for t in tokens:
+        if t == EOS:
+            break
+        if t in (PAD, BOS):
+            continue
+        voice, cell = LETTERS.index(t[0]), t.split(":", 1)[1]
+        if voice <= last:
+            close()
+            step = [None] * 4
+        step[voice], last = cell, voice
+        if voice == 3:
+            close()
+            step, last = [None] * 4, -1
+    return grid
 
 
 def transpose(grid, shift):

@@ -1,16 +1,24 @@
 #!/usr/bin/python3
-"""Trains a small decoder on Bach's chorales (tools/chorales.py's grid) with one of three position
+"""Trains a small decoder on Bach's chorales (tools/chorales.py's grid) with one of four position
 schemes, the comparison of Music Transformer's JSB table, and exports the relative ones in the
 relgen format.
 
   python tools/chorales.py build --out /tmp/chorales
-  /usr/bin/python3 tools/train_chorales.py --data /tmp/chorales --attention skew|shaw|absolute \\
+  /usr/bin/python3 tools/train_chorales.py --data /tmp/chorales --attention skew|skew_local|shaw|absolute \\
       --out models/chorales [--max-steps N] [--minutes 30] [--seed 0]
 
   absolute  sinusoidal positions added to the embeddings (the paper's baseline "with timing signal")
   shaw      Shaw et al.'s relative keys, distances clipped at --clip (a table of 2 clip + 1 rows)
   skew      Music Transformer's relative keys with the skew, global, --window rows (distances
             0..window-1; farther ones add nothing)
+  skew_local  the same keys, Music Transformer's local attention: a query sees its own block of
+            --block tokens and the one before (blocks counted from the chorale's BOS; from a
+            training crop's start, which falls anywhere in a chorale)
+
+Trained on crops of --seq tokens, a model is scored on whole chorales of up to 3522 tokens. Global
+attention then meets keys farther than any it was trained on: with --window as long as the crop, a
+skew model never saw a key without a relative term; give it a shorter window (or clip Shaw's) so that
+it did. Local attention never sees more than 2 --block - 1 keys, crop or chorale.
 
 --holds repeat trains on the paper's JSB serialization instead (a long note is its pitch repeated every
 sixteenth, no H), for comparing NLLs with its table; such a model is not exported (MIDI out needs H).
@@ -93,7 +101,7 @@ class Layer(nn.Module):
 
     def rel_logits(self, q):
         B, H, L, _ = q.shape
-        if self.attention == "skew":
+        if self.attention in ("skew", "skew_local"):
             M = self.rel_k.shape[1]
             E = self.rel_k[:, max(M - L, 0):]
             if L > M:
@@ -125,16 +133,20 @@ class LM(nn.Module):
         super().__init__()
         d = a.d_model
         self.attention = a.attention
-        rows = a.window if a.attention == "skew" else 2 * a.clip + 1
+        rows = a.window if a.attention in ("skew", "skew_local") else 2 * a.clip + 1
         self.embed = nn.Embedding(VOCAB, d)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.layers = nn.ModuleList(Layer(d, a.heads, a.attention, rows) for _ in range(a.layers))
         self.final_norm = nn.LayerNorm(d)
         self.d = d
+        self.block = a.block
 
     def forward(self, tokens):
         L = tokens.shape[1]
         mask = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
+        if self.attention == "skew_local":  # keys before the previous block are out of sight
+            i = torch.arange(L).unsqueeze(1)
+            mask = mask | (torch.arange(L).unsqueeze(0) < torch.clamp(i // self.block - 1, min=0) * self.block)
         x = self.embed(tokens)
         if self.attention == "absolute":
             x = x + sinusoid(L, self.d)
@@ -145,7 +157,8 @@ class LM(nn.Module):
     def export(self, a, out_dir, max_seq_len, dtype="F32"):
         """relgen's format (the tensor names of tools/train.py); relative schemes only."""
         rel = ({"scheme": "skew", "max_relative_position": a.window} if a.attention == "skew"
-               else {"scheme": "shaw", "clip": a.clip, "relative_values": False})
+               else {"scheme": "skew_local", "max_relative_position": a.window, "block_length": a.block}
+               if a.attention == "skew_local" else {"scheme": "shaw", "clip": a.clip, "relative_values": False})
         rel.update({"heads_share_table": False, "share_across_layers": False, "scale_with_qk": True})
         cfg = {
             "format_version": 1, "name": f"relgen-chorales-{a.attention}", "vocab_size": VOCAB,
@@ -193,7 +206,7 @@ def batch_of(train, a, rng):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="tools/chorales.py build's folder")
-    ap.add_argument("--attention", choices=("absolute", "shaw", "skew"), required=True)
+    ap.add_argument("--attention", choices=("absolute", "shaw", "skew", "skew_local"), required=True)
     ap.add_argument("--out", default="", help="export here (relative schemes; absolute writes training.json only)")
     ap.add_argument("--minutes", type=float, default=30.0, help="training time cap")
     ap.add_argument("--max-steps", type=int, default=0, help="the step count (0: the time cap only)")
@@ -201,7 +214,8 @@ def main():
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--window", type=int, default=512, help="skew: relative table rows")
+    ap.add_argument("--window", type=int, default=512, help="skew, skew_local: relative table rows")
+    ap.add_argument("--block", type=int, default=128, help="skew_local: block length")
     ap.add_argument("--clip", type=int, default=64, help="shaw: clipping distance")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
@@ -253,7 +267,7 @@ def main():
     with open(os.path.join(out, "training.json"), "w") as f:
         json.dump({"attention": a.attention, "holds": a.holds, "steps": step, "minutes": round(minutes, 1), "seed": a.seed,
                    "batch": a.batch, "seq": a.seq, "d_model": a.d_model, "layers": a.layers, "heads": a.heads,
-                   "window": a.window, "clip": a.clip, "lr": a.lr, "parameters": params, "threads": a.threads,
+                   "window": a.window, "block": a.block, "clip": a.clip, "lr": a.lr, "parameters": params, "threads": a.threads,
                    "validation_nll_per_token": round(v, 5), "test_nll_per_token": round(t, 5),
                    "test_nll_per_chorale": {k: round(x, 6) for k, x in sorted(per_test.items())},
                    "torch": torch.__version__, "command": " ".join(sys.argv)}, f, indent=1)

@@ -3,7 +3,8 @@
   python3 examples/chorale.py PROMPT.mid OUT.mid [--server HOST:PORT] [--steps 128] [--seed 1]
 
 The MIDI side is tools/chorales.py of the relgen source tree (it needs mido: pip install mido); the
-model's words are its grid (P<midi> onset, H hold, R rest; soprano, alto, tenor, bass per sixteenth).
+model's words are its grid, a word per voice and sixteenth, soprano, alto, tenor, bass, each naming its
+voice: S:P67 (a note starts), A:H (it goes on), T:R (silence).
 The continuation streams in as words, a step (four words) at a time on one line."""
 import argparse
 import os
