@@ -293,7 +293,9 @@ std::string WriteMidi(const Grid& grid, int tempo_bpm) {
   return out;
 }
 
-std::string Word(int voice, const std::string& cell) { return absl::StrCat(std::string(1, kVoiceLetters[voice]), ":", cell); }
+std::string Word(int voice, const std::string& cell) {
+  return absl::StrCat(std::string(1, kVoiceLetters[voice]), ":", cell);
+}
 
 std::string PromptWords(const Grid& grid) {
   std::string out;

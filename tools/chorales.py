@@ -25,9 +25,9 @@ steps after it, so a grid is the notes and their timing exactly for any score wh
 durations fall on sixteenths (the chorales that do not are left out, and listed by `build`).
 
 Vocabulary (VOCAB below; written to DIR/vocab.txt, one token per line, the line number its id):
-PAD BOS EOS, then per voice S A T B: X:R X:H X:P24..X:P96 (303 tokens). Transposition for augmentation shifts every pitch by -5..+6
-semitones (the 12 keys, as the paper did for its JSB models), skipping shifts that would leave
-P24..P96.
+PAD BOS EOS, then per voice S A T B: X:R X:H X:P24..X:P96 (303 tokens). Transposition for
+augmentation shifts every pitch by -5..+6 semitones (the 12 keys, as the paper did for its JSB
+models), skipping shifts that would leave P24..P96.
 
 Needs music21 (PyPI) for `build`; mido (PyPI) for the MIDI side."""
 import argparse
