@@ -35,6 +35,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "engine/backends/device.h"
@@ -51,6 +52,12 @@
 #endif
 
 ABSL_FLAG(std::string, model, "", "model directory; default: models/default (here, then in the source tree)");
+ABSL_FLAG(std::vector<std::string>, lora_modules, {},
+          "LoRA adapters of the model, NAME=DIR,... (PEFT's adapter_config.json + adapter_model.safetensors in "
+          "DIR); a request names one by gRPC's `adapter` or HTTP's `model`");
+ABSL_FLAG(int32_t, max_loras, 8,
+          "LoRA adapters resident at once and in one step (more may be registered: the rest wait for a slot)");
+ABSL_FLAG(int32_t, max_lora_rank, 16, "largest LoRA rank an adapter may have (1..256)");
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC address HOST:PORT (port 0 picks a free one)");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9400",
           "admin HTTP address HOST:PORT for /metrics, /healthz, /readyz (port 0 picks one)");
@@ -258,6 +265,9 @@ void PrintHelp() {
 int ReadOptions(Options* out) {
   Options& o = *out;
   o.model = absl::GetFlag(FLAGS_model);
+  o.lora_modules = absl::GetFlag(FLAGS_lora_modules);
+  o.max_loras = absl::GetFlag(FLAGS_max_loras);
+  o.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   o.http_listen = absl::GetFlag(FLAGS_http_listen);
@@ -293,7 +303,7 @@ int ReadOptions(Options* out) {
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
 
   if (o.threads < 0 || o.max_num_seqs < 1 || o.max_batch_tokens < 1 || o.max_encoder_tokens < 1 || o.max_waiting < 1 ||
-      o.kv_block_size < 1 ||
+      o.kv_block_size < 1 || o.max_loras < 1 || o.max_lora_rank < 1 || o.max_lora_rank > 256 ||
       o.max_new_tokens < 1 || o.default_max_new_tokens < 1 || o.max_prompt_bytes < 1 || o.max_message_bytes < 1024 ||
       o.drain_grace_seconds < 0 || o.kv_cache_tokens < 0 || o.max_concurrent_streams < 1 || o.http_threads < 1 ||
       !(o.stream_write_timeout_seconds >= 0) || !(o.http_request_timeout_seconds >= 0)) {
@@ -446,6 +456,26 @@ absl::StatusOr<Loaded> LoadEngine(const Options& o, std::shared_ptr<EngineObserv
   dev.max_step_seqs = o.max_num_seqs;
   auto backend = NewBackend(*model, dev);
   if (!backend.ok()) return backend.status();
+  std::vector<std::shared_ptr<const LoraAdapter>> adapters;
+  for (const std::string& m : o.lora_modules) {
+    const size_t eq = m.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == m.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("--lora_modules: '", m, "'; allowed: NAME=DIR,..."));
+    }
+    const std::string name = m.substr(0, eq);
+    if (name == c.name) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--lora_modules: adapter name '", name, "' is the base model's name; choose another"));
+    }
+    auto a = LoadLoraAdapter(name, m.substr(eq + 1), **model, o.max_lora_rank);
+    if (!a.ok()) return a.status();
+    adapters.push_back(*std::move(a));
+  }
+  if (!adapters.empty()) {
+    if (absl::Status s = (*backend)->ConfigureLora(o.max_loras, o.max_lora_rank); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--lora_modules: ", s.message()));
+    }
+  }
   const BackendInfo info = (*backend)->Describe();
   const KvCacheConfig& kv = info.kv_cache;
   Loaded out;
@@ -464,6 +494,18 @@ absl::StatusOr<Loaded> LoadEngine(const Options& o, std::shared_ptr<EngineObserv
   ec.prefix_caching = o.enable_prefix_caching;
   ec.overlap_steps = o.overlap_steps;
   ec.observer = std::move(observer);
+  ec.adapters = adapters;
+  ec.scheduler.max_loras = adapters.empty() ? 0 : o.max_loras;
+  if (!adapters.empty()) {
+    int64_t bytes = 0;
+    std::vector<std::string> names;
+    for (const auto& a : adapters) {
+      bytes += a->bytes();
+      names.push_back(absl::StrCat(a->name, " (rank ", a->rank, ")"));
+    }
+    absl::StrAppendFormat(&out.description, "; LoRA adapters %s (%.1f MiB on the host, %d resident at most)",
+                          absl::StrJoin(names, ", "), bytes / 1048576.0, o.max_loras);
+  }
   auto engine = Engine::Create(*model, *std::move(backend), std::shared_ptr<const Tokenizer>(*std::move(tokenizer)), ec);
   if (!engine.ok()) return engine.status();
   out.engine = *std::move(engine);

@@ -101,6 +101,16 @@ ApiError Invalid(const std::string& param, const std::string& what) {
   return ApiError{grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat(param, ": ", what), param, ""};
 }
 
+// A `model` that is neither the base nor a registered adapter: 404, naming what is served.
+ApiError ModelNotFound(const std::string& asked, const Engine& served) {
+  std::string adapters;
+  for (const auto& a : served.adapters()) absl::StrAppend(&adapters, adapters.empty() ? "" : ", ", "'", a->name, "'");
+  return ApiError{grpc::StatusCode::NOT_FOUND,
+                  absl::StrCat("model '", asked, "' is not served here; this server serves '", served.model().config().name,
+                               "'", adapters.empty() ? "" : absl::StrCat(" and its LoRA adapters ", adapters)),
+                  "model", "model_not_found"};
+}
+
 // OK when no token is configured or the request carries "Authorization: Bearer <token>".
 grpc::Status CheckAuth(const httplib::Request& req, const std::string& token) {
   if (token.empty()) return grpc::Status::OK;
@@ -645,11 +655,9 @@ std::optional<ApiError> ReadTokenizerBody(const httplib::Request& req, const std
   if (body->contains("model") && !(*body)["model"].is_null()) {
     const json& m = (*body)["model"];
     if (!m.is_string()) return Invalid("model", "expected the served model's name (GET /v1/models)");
-    if (m.get<std::string>() != name) {
-      return ApiError{grpc::StatusCode::NOT_FOUND,
-                      absl::StrCat("model '", m.get<std::string>(), "' is not served here; this server serves '",
-                                   name, "'"),
-                      "model", "model_not_found"};
+    // An adapter shares its base's tokenizer.
+    if (m.get<std::string>() != name && !(*served)->HasAdapter(m.get<std::string>())) {
+      return ModelNotFound(m.get<std::string>(), **served);
     }
   }
   return std::nullopt;
@@ -728,14 +736,21 @@ void OpenAiApi::Models(const httplib::Request& req, httplib::Response& res) {
   if (engine == nullptr) return ReplyError(res, ApiError{grpc::StatusCode::UNAVAILABLE, "the model is loading", "", ""});
   const ModelConfig& c = engine->model().config();
   json model{{"id", c.name}, {"object", "model"}, {"created", created_}, {"owned_by", "relgen"},
-             {"max_model_len", c.max_seq_len}};
-  Reply(res, 200, json{{"object", "list"}, {"data", json::array({std::move(model)})}});
+             {"root", c.name}, {"parent", nullptr}, {"max_model_len", c.max_seq_len}};
+  json data = json::array({std::move(model)});
+  // Each LoRA adapter as a model of its own whose parent is the base (vLLM's shape).
+  for (const auto& a : engine->adapters()) {
+    data.push_back(json{{"id", a->name}, {"object", "model"}, {"created", created_}, {"owned_by", "relgen"},
+                        {"root", a->dir}, {"parent", c.name}, {"max_model_len", c.max_seq_len}});
+  }
+  Reply(res, 200, json{{"object", "list"}, {"data", std::move(data)}});
 }
 
 namespace {
 
 // The body as a Completion for the served model.
-std::optional<ApiError> ReadCompletion(const httplib::Request& req, const ModelConfig& config, Completion* c) {
+std::optional<ApiError> ReadCompletion(const httplib::Request& req, const Engine& served, Completion* c) {
+  const ModelConfig& config = served.model().config();
   json body;
   try {
     body = json::parse(req.body);
@@ -743,12 +758,13 @@ std::optional<ApiError> ReadCompletion(const httplib::Request& req, const ModelC
     return Invalid("body", absl::StrCat("not JSON: ", e.what()));
   }
   if (auto e = ParseCompletion(body, c)) return e;
-  if (c->model != config.name) {
-    return ApiError{grpc::StatusCode::NOT_FOUND,
-                    absl::StrCat("model '", c->model, "' is not served here; this server serves '", config.name, "'"),
-                    "model", "model_not_found"};
+  if (c->model == config.name) return std::nullopt;
+  // A LoRA adapter's name (vLLM's convention): the base under that adapter.
+  if (served.HasAdapter(c->model)) {
+    c->base.set_adapter(c->model);
+    return std::nullopt;
   }
-  return std::nullopt;
+  return ModelNotFound(c->model, served);
 }
 
 // One GenerateRequest per prompt: the request a gRPC client would send for it.
@@ -903,7 +919,7 @@ void OpenAiApi::Completions(const httplib::Request& req, httplib::Response& res)
   std::optional<ApiError> bad_body;  // the body's own refusal, with OpenAI's param and code
   auto read = [&](const Engine& served, std::vector<v1::GenerateRequest>* requests) {
     engine = &served;
-    bad_body = ReadCompletion(req, served.model().config(), &c);
+    bad_body = ReadCompletion(req, served, &c);
     if (bad_body) return absl::Status(static_cast<absl::StatusCode>(bad_body->code), bad_body->message);
     *requests = ToRequests(c);
     return absl::OkStatus();

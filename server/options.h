@@ -8,6 +8,11 @@ namespace relgen::server {
 
 struct Options {
   std::string model;
+  // LoRA adapters: NAME=DIR each (a PEFT adapter directory for the model), at most `max_loras` in a
+  // step and resident at once, none of rank over `max_lora_rank`.
+  std::vector<std::string> lora_modules;
+  int max_loras = 8;
+  int max_lora_rank = 16;
   std::string listen = "0.0.0.0:50051";
   std::string metrics_listen = "0.0.0.0:9400";
   std::string http_listen = "0.0.0.0:8000";  // empty: no HTTP API

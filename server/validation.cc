@@ -89,12 +89,14 @@ absl::Status ToEngineRequest(const v1::GenerateRequest& in, const ModelConfig& c
   out->num_return_sequences = in.has_num_return_sequences() ? in.num_return_sequences() : 1;
   out->length_penalty = in.has_length_penalty() ? in.length_penalty() : 1.0f;
   out->skip_special_tokens = !in.has_skip_special_tokens() || in.skip_special_tokens();
+  out->adapter = in.adapter();
   return ToEarlyStopping(in.early_stopping(), &out->early_stopping);
 }
 
 absl::Status ToEngineRequest(const v1::ScoreRequest& in, const ModelConfig& c, const Tokenizer& tokenizer,
                              const Options& options, const RequestLimits& limits, Request* out) {
   out->id = in.request_id();
+  out->adapter = in.adapter();
   if (absl::Status s = ToPrompt(in, c, tokenizer, options, "context", &out->prompt); !s.ok()) return s;
   // No continuation would make it a request to generate.
   if (in.continuations_size() == 0) {

@@ -65,7 +65,8 @@ inline std::vector<HfPrompt> ReadHfReference(const nlohmann::json& c) {
 // Prefills the prompt, then decodes transformers' greedy tokens one at a time (a page-scattered
 // block table). Returns the logits of every prompt position and every decoded one (empty after a
 // failure, which it reports).
-inline std::vector<float> TeacherForcedHf(Backend& backend, const HfPrompt& p, int max_new, const std::string& what) {
+inline std::vector<float> TeacherForcedHf(Backend& backend, const HfPrompt& p, int max_new, const std::string& what,
+                                          const LoraAdapter* adapter = nullptr) {
   const int block = backend.Describe().kv_cache.block_size;
   const int new_tokens = std::min<int>(max_new, static_cast<int>(p.greedy.size()));
   std::vector<int32_t> seq = p.prompt;
@@ -76,12 +77,14 @@ inline std::vector<float> TeacherForcedHf(Backend& backend, const HfPrompt& p, i
   std::vector<float> all, part;
   const int n = static_cast<int>(p.prompt.size());
   SequenceStep s{absl::MakeConstSpan(seq).subspan(0, n), 0, table, true};
+  s.adapter = adapter;
   if (!ForwardLogits(backend, {&s, 1}, &all).ok()) {
     ADD_FAILURE() << what << ": the prefill failed";
     return {};
   }
   for (int t = 0; t + 1 < new_tokens; ++t) {
     SequenceStep d{absl::MakeConstSpan(seq).subspan(n + t, 1), n + t, table, false};
+    d.adapter = adapter;
     if (!ForwardLogits(backend, {&d, 1}, &part).ok()) {
       ADD_FAILURE() << what << ": decode step " << t << " failed";
       return {};

@@ -71,7 +71,7 @@ inline std::vector<T5Input> ReadT5Reference(const nlohmann::json& c) {
 // preempted sequence recomputes). Returns every step's logits (empty after a failure, which it
 // reports).
 inline std::vector<float> TeacherForcedT5(Backend& backend, const T5Input& p, int decoder_start, bool chunked,
-                                          int max_new, const std::string& what) {
+                                          int max_new, const std::string& what, const LoraAdapter* adapter = nullptr) {
   const int block = backend.Describe().kv_cache.block_size;
   const int new_tokens = std::min<int>(max_new, static_cast<int>(p.greedy.size()));
   std::vector<int32_t> dec = {decoder_start};
@@ -98,6 +98,7 @@ inline std::vector<float> TeacherForcedT5(Backend& backend, const T5Input& p, in
   s.encoder_tokens = p.input;
   s.encoder_len = n;
   s.cross_block_table = cross;
+  s.adapter = adapter;
   if (!ForwardLogits(backend, {&s, 1}, &all).ok()) {
     ADD_FAILURE() << what << ": the encoding step failed";
     return {};

@@ -11,6 +11,7 @@
 #include "absl/types/span.h"
 #include "engine/backends/kv_pool.h"
 #include "engine/backends/sampler.h"
+#include "engine/model/lora.h"
 
 namespace relgen {
 
@@ -33,6 +34,9 @@ struct SequenceStep {
   // value in `tokens` is a placeholder. The backend takes it where that answer is, so a step can be
   // launched before the previous step's answers reach the host.
   int fed_query = -1;
+  // The LoRA adapter the sequence runs under (its decoder and, encoder-decoder, its encoder), or
+  // null for the base alone. The caller keeps it alive while the step may run.
+  const LoraAdapter* adapter = nullptr;
 };
 
 // Bytes a backend holds, by kind.
@@ -88,6 +92,11 @@ class Backend {
   // Non-OK once the device can run nothing more (a GPU's asynchronous fault leaves its context
   // broken until the process ends): every later Launch would fail. Asked after a failed Launch or Collect.
   virtual absl::Status Broken() const { return absl::OkStatus(); }
+  // LoRA: at most `max_loras` adapters resident at once (a step never names more), none of rank over
+  // `max_rank`. Called once, before the first Launch; a backend that applies none refuses.
+  virtual absl::Status ConfigureLora(int max_loras, int max_rank) {
+    return absl::UnimplementedError("this backend does not apply LoRA adapters");
+  }
 };
 
 }  // namespace relgen

@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -143,6 +144,17 @@ class CpuBackend final : public Backend, public LogitsForward {
       rel_.push_back(r);
     }
     lm_head_ = Pack(model_->lm_head(), wt);
+    // The packed projection of each relgen matrix name, where an adapter's matrices attach.
+    auto name = [&](const std::string& stack, int l, PackedLayer& pl) {
+      const std::string p = absl::StrCat(stack, "layers.", l, ".");
+      for (auto [suffix, m] : {std::pair{"attn.q", &pl.q}, {"attn.k", &pl.k}, {"attn.v", &pl.v}, {"attn.o", &pl.o},
+                               {"ffn.up", &pl.up}, {"ffn.gate", &pl.gate}, {"ffn.down", &pl.down},
+                               {"cross.q", &pl.cq}, {"cross.k", &pl.ck}, {"cross.v", &pl.cv}, {"cross.o", &pl.co}}) {
+        projection_of_[absl::StrCat(p, suffix, ".weight")] = m;
+      }
+    };
+    for (size_t l = 0; l < packed_.size(); ++l) name("", static_cast<int>(l), packed_[l]);
+    for (size_t l = 0; l < encoder_packed_.size(); ++l) name("encoder.", static_cast<int>(l), encoder_packed_[l]);
     // Per layer: K and V pools [num_blocks, n_heads, block_size, head_dim] of kv_type elements.
     layer_bytes_ = int64_t{kv_.num_blocks} * kv_.block_size * c.n_heads * c.head_dim * cpu::KvTypeBytes(kv_type_);
     pool_ok_ = k_pool_.resize(layer_bytes_ * c.n_layers) && v_pool_.resize(layer_bytes_ * c.n_layers);
@@ -171,6 +183,15 @@ class CpuBackend final : public Backend, public LogitsForward {
   }
   absl::Status Collect(std::vector<SampleResult>* results) override { return launch_.Collect(results); }
   absl::Status Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) override;
+  absl::Status ConfigureLora(int max_loras, int max_rank) override {
+    if (max_loras < 1 || max_rank < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("max_loras ", max_loras, ", max_lora_rank ", max_rank,
+                                                     "; both must be >= 1"));
+    }
+    slots_.clear();
+    slots_.resize(max_loras);
+    return absl::OkStatus();
+  }
 
  private:
   BackendMemory Memory() const {
@@ -183,6 +204,9 @@ class CpuBackend final : public Backend, public LogitsForward {
           m.weights += w->bytes();
         }
       }
+    }
+    for (const LoraSlot& slot : slots_) {
+      for (const auto& [base, lp] : slot.of) m.weights += lp.a.bytes() + lp.b.bytes();
     }
     m.kv_cache = static_cast<int64_t>(k_pool_.size() + v_pool_.size());
     for (const std::vector<float>* v : {&x_, &h_, &q_, &k_, &v_, &att_, &tmp_, &up_, &gate_, &enc_k_, &enc_v_}) {
@@ -233,10 +257,12 @@ class CpuBackend final : public Backend, public LogitsForward {
   // The operations WalkDecoder (walk_decoder.h) calls for one Forward.
   struct DecoderOps;
   // Encodes the input of every step that carries one and writes each decoder layer's cross K/V.
-  void Encode(absl::Span<const SequenceStep> steps);
+  void Encode(absl::Span<const SequenceStep> steps, const std::vector<int>& step_slots);
   void Linear(const float* x, int rows, const cpu::PackedMatrix& w, const float* bias, float* y) {
+    const float* const x_in = x;  // an adapter reads the float32 input, as PEFT's float32 model does
     if (bf16_dot_) {
       cpu::LinearBf16Dot(x, rows, w, bias, y, &pool_);  // rounds the inputs itself
+      ApplyLora(x_in, rows, w, y);
       return;
     }
     if (bf16_activations_) {
@@ -248,7 +274,27 @@ class CpuBackend final : public Backend, public LogitsForward {
       x = rounded_.data();
     }
     cpu::LinearPacked(x, rows, w, bias, y, &pool_);
+    ApplyLora(x_in, rows, w, y);
   }
+
+  // One resident adapter: its matrices packed beside the base projections they adapt.
+  struct LoraPacked {
+    cpu::PackedMatrix a, b;  // [rank, in], [out, rank]
+    float scale = 0;
+  };
+  struct LoraSlot {
+    const LoraAdapter* adapter = nullptr;
+    uint64_t used = 0;  // the Forward that last used it
+    std::unordered_map<const cpu::PackedMatrix*, LoraPacked> of;
+  };
+  // The slot of each step's adapter (-1: none), loading the ones not resident into free or least
+  // recently used slots that this Forward does not use.
+  absl::StatusOr<std::vector<int>> LoraSlots(absl::Span<const SequenceStep> steps);
+  // Each row's slot for the rows of the pass about to run: per step `slot`, rows[i] on.
+  void SetLoraRows(const std::vector<int>& slot, const std::vector<int>& first, const std::vector<int>& count, int total);
+  // y [rows, w.n()] += each row's adapter's scale * (x A^T) B^T, where its adapter adapts w; rows of
+  // one adapter gathered, so a row's bits depend on its adapter alone.
+  void ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w, float* y);
 
   cpu::KvView View(int layer, absl::Span<const int32_t> table) {
     const ModelConfig& c = model_->config();
@@ -282,7 +328,95 @@ class CpuBackend final : public Backend, public LogitsForward {
   // Activations, reused across calls: [tokens, width]; the encoder's own K/V (not cached).
   std::vector<float> x_, h_, q_, k_, v_, att_, tmp_, up_, gate_, enc_k_, enc_v_;
   HostLaunch launch_;
+  std::unordered_map<std::string, const cpu::PackedMatrix*> projection_of_;
+  std::vector<LoraSlot> slots_;  // ConfigureLora's max_loras
+  uint64_t forwards_ = 0;
+  std::vector<int> lora_rows_;  // per row of the pass under way: its adapter's slot, or -1
+  std::vector<int> lora_pick_;
+  std::vector<float> lora_x_, lora_t_, lora_u_;
 };
+
+absl::StatusOr<std::vector<int>> CpuBackend::LoraSlots(absl::Span<const SequenceStep> steps) {
+  ++forwards_;
+  std::vector<int> slot(steps.size(), -1);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const LoraAdapter* a = steps[i].adapter;
+    if (a == nullptr) continue;
+    int s = -1;
+    for (size_t j = 0; j < slots_.size() && s < 0; ++j) s = slots_[j].adapter == a ? static_cast<int>(j) : -1;
+    if (s < 0) {
+      for (size_t j = 0; j < slots_.size(); ++j) {
+        if (slots_[j].used == forwards_) continue;  // another adapter of this step
+        if (slots_[j].adapter == nullptr) {
+          s = static_cast<int>(j);
+          break;
+        }
+        if (s < 0 || slots_[j].used < slots_[s].used) s = static_cast<int>(j);
+      }
+      if (s < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("a step names more LoRA adapters than the ", slots_.size(),
+                                                       " resident slots (max_loras)"));
+      }
+      LoraSlot fresh;
+      fresh.adapter = a;
+      for (const auto& [name, w] : a->targets) {
+        auto p = projection_of_.find(name);
+        if (p == projection_of_.end() || p->second->n() != w.out || p->second->k() != w.in) {
+          return absl::InvalidArgumentError(absl::StrCat("adapter '", a->name, "' adapts ", name,
+                                                         ", which this model does not have in that shape"));
+        }
+        LoraPacked lp;
+        lp.a = cpu::PackedMatrix(w.a.data(), w.rank, w.in);
+        lp.b = cpu::PackedMatrix(w.b.data(), w.out, w.rank);
+        lp.scale = w.scale;
+        fresh.of.emplace(p->second, std::move(lp));
+      }
+      slots_[s] = std::move(fresh);
+    }
+    slots_[s].used = forwards_;
+    slot[i] = s;
+  }
+  return slot;
+}
+
+void CpuBackend::SetLoraRows(const std::vector<int>& slot, const std::vector<int>& first, const std::vector<int>& count,
+                             int total) {
+  lora_rows_.clear();
+  bool any = false;
+  for (int s : slot) any = any || s >= 0;
+  if (!any) return;  // rows without an adapter cost nothing
+  lora_rows_.assign(total, -1);
+  for (size_t i = 0; i < slot.size(); ++i) std::fill_n(lora_rows_.begin() + first[i], count[i], slot[i]);
+}
+
+void CpuBackend::ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w, float* y) {
+  if (lora_rows_.empty() || static_cast<int>(lora_rows_.size()) != rows) return;
+  const int k = w.k(), n = w.n();
+  for (size_t s = 0; s < slots_.size(); ++s) {
+    const LoraSlot& slot = slots_[s];
+    if (slot.used != forwards_) continue;
+    auto it = slot.of.find(&w);
+    if (it == slot.of.end()) continue;
+    const LoraPacked& lp = it->second;
+    lora_pick_.clear();
+    for (int r = 0; r < rows; ++r) {
+      if (lora_rows_[r] == static_cast<int>(s)) lora_pick_.push_back(r);
+    }
+    if (lora_pick_.empty()) continue;
+    const int m = static_cast<int>(lora_pick_.size()), rank = lp.a.n();
+    lora_x_.resize(int64_t{m} * k);
+    for (int i = 0; i < m; ++i) std::copy_n(x + int64_t{lora_pick_[i]} * k, k, lora_x_.data() + int64_t{i} * k);
+    lora_t_.resize(int64_t{m} * rank);
+    lora_u_.resize(int64_t{m} * n);
+    cpu::LinearPacked(lora_x_.data(), m, lp.a, nullptr, lora_t_.data(), &pool_);
+    cpu::LinearPacked(lora_t_.data(), m, lp.b, nullptr, lora_u_.data(), &pool_);
+    for (int i = 0; i < m; ++i) {
+      float* yr = y + int64_t{lora_pick_[i]} * n;
+      const float* ur = lora_u_.data() + int64_t{i} * n;
+      for (int o = 0; o < n; ++o) yr[o] += ur[o] * lp.scale;
+    }
+  }
+}
 
 CpuBackend::Buffers CpuBackend::Size(int total) {
   const ModelConfig& c = model_->config();
@@ -315,7 +449,7 @@ void CpuBackend::Mlp(const LayerWeights& lw, const PackedLayer& pl, const float*
   Add(b.x, b.tmp, total, c.d_model);
 }
 
-void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
+void CpuBackend::Encode(absl::Span<const SequenceStep> steps, const std::vector<int>& step_slots) {
   const ModelConfig& c = model_->config();
   std::vector<int> which, rows;
   int total = 0;
@@ -326,6 +460,14 @@ void CpuBackend::Encode(absl::Span<const SequenceStep> steps) {
     total += steps[i].encoder_len;
   }
   if (which.empty()) return;
+  {
+    std::vector<int> slot, count;
+    for (int j : which) {
+      slot.push_back(step_slots[j]);
+      count.push_back(steps[j].encoder_len);
+    }
+    SetLoraRows(slot, rows, count, total);
+  }
   const int d = c.d_model, w = c.qkv_width(), heads = c.n_heads;
   const Buffers b = Size(total);
   if (static_cast<int64_t>(enc_k_.size()) < int64_t{total} * w) {
@@ -518,15 +660,19 @@ struct CpuBackend::DecoderOps {
 absl::Status CpuBackend::Forward(absl::Span<const SequenceStep> steps, std::vector<float>* logits) {
   const ModelConfig& c = model_->config();
   if (auto st = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_, c.encoder_decoder); !st.ok()) return st;
-  if (c.encoder_decoder) Encode(steps);
+  auto slots = LoraSlots(steps);
+  if (!slots.ok()) return slots.status();
+  if (c.encoder_decoder) Encode(steps, *slots);
   int total = 0;
   int out_rows = 0;
-  std::vector<int> rows(steps.size());
+  std::vector<int> rows(steps.size()), counts(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
     rows[i] = total;
-    total += static_cast<int>(steps[i].tokens.size());
+    counts[i] = static_cast<int>(steps[i].tokens.size());
+    total += counts[i];
     out_rows += steps[i].all_logits ? static_cast<int>(steps[i].tokens.size()) : 1;
   }
+  SetLoraRows(*slots, rows, counts, total);
   const Buffers b = Size(total);
   DecoderOps ops{*this, c, steps, b, rows, total, out_rows, logits};
   return WalkDecoder(c, ops);

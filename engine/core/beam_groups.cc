@@ -58,6 +58,8 @@ void Engine::SelectBeams(BeamGroup& g) {
     f->submitted = par.submitted;
     f->scheduled = par.scheduled;
     f->beam = par.beam;
+    f->adapter = par.adapter;
+    f->adapter_id = par.adapter_id;
     const int shared =
         config_.share_beam_blocks ? std::min<int>(par.num_computed, static_cast<int>(par.tokens.size())) / bs : 0;
     allocator_.Share(absl::MakeConstSpan(par.blocks).first(shared), &f->blocks);

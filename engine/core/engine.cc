@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine/core/sequence.h"
 
 namespace relgen {
@@ -40,6 +41,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Mod
   }
   if (config.scheduler.max_num_seqs < 1 || config.scheduler.max_batch_tokens < 1 || config.max_waiting < 1) {
     return absl::InvalidArgumentError("max_num_seqs, max_batch_tokens and max_waiting must be >= 1");
+  }
+  if (!config.adapters.empty() && config.scheduler.max_loras < 1) {
+    return absl::InvalidArgumentError("LoRA adapters are registered but max_loras is 0; allowed: >= 1");
+  }
+  for (size_t i = 0; i < config.adapters.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (config.adapters[i]->name == config.adapters[j]->name || config.adapters[i]->name.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("adapter name '", config.adapters[i]->name, "' is empty or registered twice"));
+      }
+    }
   }
   return std::unique_ptr<Engine>(
       new Engine(std::move(model), std::move(backend), std::move(tokenizer), config));
@@ -76,6 +88,13 @@ absl::Status Engine::Check(const Request& r) const {
 
 absl::StatusOr<std::vector<std::shared_ptr<RequestHandle>>> Engine::SubmitGroup(Request r) {
   if (absl::Status st = Check(r); !st.ok()) return st;
+  if (!r.adapter.empty() && AdapterId(r.adapter) == 0) {
+    std::vector<std::string> names;
+    for (const auto& a : config_.adapters) names.push_back(a->name);
+    return absl::NotFoundError(absl::StrCat("adapter '", r.adapter, "' is not registered; ",
+                                            names.empty() ? "this server has none (--lora_modules)"
+                                                          : absl::StrCat("registered: ", absl::StrJoin(names, ", "))));
+  }
   TruncatePrompt(&r);
   PrepareControls(&r, model_->config().eos_token_id);
   const int members = r.continuations.empty() ? r.n : static_cast<int>(r.continuations.size());
@@ -102,6 +121,8 @@ std::unique_ptr<Engine::Seq> Engine::MakeGroup(Request r, std::vector<std::share
     s->handle = std::make_shared<RequestHandle>();
     s->handle->id_ = r.id;
     s->req = r;
+    s->adapter_id = AdapterId(r.adapter);
+    if (s->adapter_id > 0) s->adapter = config_.adapters[s->adapter_id - 1].get();
     s->follower = i > 0;
     if (s->follower) s->req.prompt_logprobs = -1;
     s->tokens = c.encoder_decoder ? std::vector<int32_t>{c.decoder_start_token_id} : r.prompt;
@@ -286,14 +307,30 @@ void Engine::EmitToken(Seq& s, const SampleResult& r) {
   s.handle->Deliver(std::move(o));
 }
 
+int Engine::AdapterId(const std::string& name) const {
+  if (name.empty()) return 0;
+  for (size_t i = 0; i < config_.adapters.size(); ++i) {
+    if (config_.adapters[i]->name == name) return static_cast<int>(i) + 1;
+  }
+  return 0;
+}
+
+std::vector<int32_t> Engine::PrefixRoot(const Seq& s) const {
+  // What the K/V depend on besides the tokens: the adapter (as a negative id, which no token is)
+  // and an encoder-decoder model's input.
+  std::vector<int32_t> root;
+  if (s.adapter_id > 0) root.push_back(-s.adapter_id);
+  if (model_->config().encoder_decoder) root.insert(root.end(), s.req.prompt.begin(), s.req.prompt.end());
+  return root;
+}
+
 void Engine::LookupPrefix(Seq& s) {
   s.hits.clear();
   if (!s.blocks.empty()) return;  // a follower holds its shared blocks and their chain
   s.chain.clear();
   if (!config_.prefix_caching) return;
   const int bs = config_.scheduler.block_size;
-  const absl::Span<const int32_t> root =
-      model_->config().encoder_decoder ? absl::MakeConstSpan(s.req.prompt) : absl::Span<const int32_t>();
+  const std::vector<int32_t> root = PrefixRoot(s);
   PrefixCursor at = BlockAllocator::Root(root);
   const absl::Span<const int32_t> tokens(s.tokens);
   for (int b = 0; b < s.LogitsFrom() / bs; ++b) {
@@ -309,8 +346,7 @@ void Engine::LookupPrefix(Seq& s) {
 void Engine::RegisterBlocks(Seq& s, int computed) {
   if (!config_.prefix_caching) return;
   const int bs = config_.scheduler.block_size;
-  const absl::Span<const int32_t> root =
-      model_->config().encoder_decoder ? absl::MakeConstSpan(s.req.prompt) : absl::Span<const int32_t>();
+  const std::vector<int32_t> root = PrefixRoot(s);
   const absl::Span<const int32_t> tokens(s.tokens);
   for (int b = static_cast<int>(s.chain.size()); b < computed / bs; ++b) {
     const PrefixCursor at = b == 0 ? BlockAllocator::Root(root) : s.chain.back();
@@ -365,6 +401,7 @@ bool Engine::Plan(absl::Time now, StepBatch* b) {
     SchedSeq q{s.id, static_cast<int>(s.tokens.size()), s.num_computed, static_cast<int>(s.blocks.size()),
                enc_dec ? static_cast<int>(s.req.prompt.size()) : 0, static_cast<int>(s.cross_blocks.size())};
     q.shared_blocks = SharedBlocks(s);
+    q.adapter = s.adapter_id;
     return q;
   };
   std::vector<SchedSeq> run, wait;
@@ -464,6 +501,7 @@ void Engine::BuildInputs(StepBatch* b) {
     st.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, n);
     st.start_pos = s.num_computed;
     st.block_table = s.blocks;
+    st.adapter = s.adapter;
     if (s.pending_pos >= 0) {
       // The last token is the draw of the step in flight (the only placeholder, always last).
       if (s.pending_pos != s.num_computed + n - 1) std::abort();

@@ -22,6 +22,7 @@
 #include "engine/core/kv_cache.h"
 #include "engine/core/request.h"
 #include "engine/core/request_checks.h"
+#include "engine/model/lora.h"
 #include "engine/model/model.h"
 #include "engine/backends/sampler.h"
 #include "engine/core/beam_search.h"
@@ -90,6 +91,10 @@ struct EngineConfig {
   // same either way.
   bool overlap_steps = true;
   std::shared_ptr<EngineObserver> observer;  // optional
+  // LoRA adapters a request may name (Request::adapter), all of the model. With any, the backend
+  // must have been configured for them (Backend::ConfigureLora with scheduler.max_loras) and a step
+  // runs at most scheduler.max_loras of them.
+  std::vector<std::shared_ptr<const LoraAdapter>> adapters;
 };
 
 struct EngineStats {
@@ -160,6 +165,9 @@ class Engine {
   absl::Status Failure() const;
 
   const Model& model() const { return *model_; }
+  // The LoRA adapters requests may name (EngineConfig::adapters).
+  const std::vector<std::shared_ptr<const LoraAdapter>>& adapters() const { return config_.adapters; }
+  bool HasAdapter(const std::string& name) const { return AdapterId(name) > 0; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   const EngineConfig& config() const { return config_; }
 
@@ -201,6 +209,10 @@ class Engine {
   void Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated, const RequestTiming& t);
   // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
   // blocks a sequence has computed.
+  // The index + 1 of the registered adapter `name`, 0 for none or an unknown name.
+  int AdapterId(const std::string& name) const;
+  // The prefix cache's root of a sequence's chain (engine/core/kv_cache.h).
+  std::vector<int32_t> PrefixRoot(const Seq& s) const;
   void LookupPrefix(Seq& s);
   void RegisterBlocks(Seq& s, int computed);  // blocks wholly below `computed`
   // Blocks of `s` (decoder and input K/V) that another sequence also references.

@@ -70,6 +70,8 @@ struct Request {
   float length_penalty = 1.0f;
   EarlyStopping early_stopping = EarlyStopping::kFalse;
   int num_return_sequences = 1;
+  // The registered LoRA adapter to run under (EngineConfig::adapters, by name); empty: the base.
+  std::string adapter;
 };
 
 struct RequestTiming {

@@ -67,8 +67,17 @@ Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const Sc
 
   int num_running = static_cast<int>(running.size());
   int encoder_budget = config.max_encoder_tokens;
+  std::vector<int> adapters;  // distinct, of the running sequences and those admitted
+  for (const SchedSeq& s : running) {
+    if (s.adapter != 0 && std::find(adapters.begin(), adapters.end(), s.adapter) == adapters.end()) {
+      adapters.push_back(s.adapter);
+    }
+  }
   for (const SchedSeq& w : waiting) {
     if (budget <= 0 || num_running >= config.max_num_seqs) break;
+    // Another adapter than those running waits for a slot (first come, first served still).
+    const bool new_adapter = w.adapter != 0 && std::find(adapters.begin(), adapters.end(), w.adapter) == adapters.end();
+    if (new_adapter && static_cast<int>(adapters.size()) >= config.max_loras) break;
     // A sequence that already holds its input's K/V (shared by the sequence it was forked from) is not
     // encoded again.
     const bool encoded = w.encoder_blocks > 0;
@@ -83,6 +92,7 @@ Schedule ComputeSchedule(absl::Span<const SchedSeq> running, absl::Span<const Sc
     budget -= chunk;
     encoder_budget -= encode;
     ++num_running;
+    if (new_adapter) adapters.push_back(w.adapter);
     out.chunks.push_back({w.id, chunk, need, true, cross});
   }
   return out;

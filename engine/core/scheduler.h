@@ -31,6 +31,9 @@ struct SchedulerConfig {
   // encodes, as the step's only one.
   int max_encoder_tokens = 2048;
   int block_size = 16;
+  // LoRA: the most distinct adapters among running sequences (the backend's resident slots); a
+  // waiting sequence of another adapter is not admitted while that many run. 0: no adapters.
+  int max_loras = 0;
 };
 
 struct SchedSeq {
@@ -52,6 +55,7 @@ struct SchedSeq {
   // taking them removes them from the free count, like allocating.
   int shared_blocks = 0;
   int cached_blocks = 0;
+  int adapter = 0;  // LoRA adapter (1..), 0 the base
 };
 
 struct ScheduledChunk {

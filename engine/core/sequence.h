@@ -53,6 +53,9 @@ struct Engine::Seq {
   std::shared_ptr<BeamGroup> beam;
   int beam_index = -1;
   bool beam_answered = false;
+  // LoRA: the adapter (EngineConfig::adapters[adapter_id - 1]) or null and 0 for the base.
+  const LoraAdapter* adapter = nullptr;
+  int adapter_id = 0;
 
   // First token whose logits are needed (its row predicts the next token): nothing before it may come
   // from the prefix cache, which holds K/V and no logits.

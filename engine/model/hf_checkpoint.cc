@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 
@@ -272,6 +273,9 @@ struct Source {
 
 struct Family {
   std::string embed;  // the embedding's name, to find the base model prefix
+  // Where transformers' model class keeps the base model's modules (BloomForCausalLM.transformer):
+  // PEFT names an adapter's modules by that path, however the checkpoint names its tensors.
+  std::string module_prefix;
   // relgen name -> source; empty name: not in this family. `stack` is "" (the decoder) or
   // "encoder." (encoder-decoder models).
   std::function<Source(const std::string& stack, const std::string& rest, int layer)> layer_source;
@@ -314,6 +318,7 @@ absl::Status MapBloom(Keys& k, ModelConfig& c, Family& f) {
   c.rel.scale_with_qk = false;  // alibi + QK^T / sqrt(d)
   if (!s.ok()) return s;
   f.embed = "word_embeddings.weight";
+  f.module_prefix = "transformer.";
   f.globals = {{"embed.weight", {"word_embeddings.weight"}},
                {"embed_norm.weight", {"word_embeddings_layernorm.weight"}},
                {"embed_norm.bias", {"word_embeddings_layernorm.bias"}},
@@ -407,6 +412,7 @@ absl::Status MapMpt(Keys& k, ModelConfig& c, Family& f) {
   c.rel.scheme = relpos::Scheme::kAlibi;
   c.rel.scale_with_qk = false;  // QK^T * softmax_scale + alibi
   f.embed = "wte.weight";
+  f.module_prefix = "transformer.";
   f.globals = {{"embed.weight", {"wte.weight"}},
                {"final_norm.weight", {"norm_f.weight"}},
                {"final_norm.bias", {"norm_f.bias"}}};
@@ -657,6 +663,11 @@ absl::StatusOr<HfCheckpoint> LoadHfCheckpoint(const std::string& dir) {
                                       : src.split == Split::kChunked ? StoredMatrix::Rows::kChunked
                                                                      : StoredMatrix::Rows::kHeadInterleaved;
     AddStored(spec.name, *t, &out.tensors, layout, src.part, c.head_dim);
+    // A layer's projection: what a LoRA adapter of its module adapts.
+    if (spec.name.find("layers.") != std::string::npos && IsStoredMatrix(spec.name) && absl::EndsWith(src.name, ".weight")) {
+      const std::string module = family.module_prefix + src.name.substr(0, src.name.size() - 7);
+      out.tensors.peft_modules[module].push_back(spec.name);
+    }
   }
   // A tied head may still be stored; transformers ties it to the embedding regardless.
   if (c.tie_embeddings && weights->Find("lm_head.weight") != nullptr) used.insert("lm_head.weight");

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -114,6 +115,10 @@ struct StoredTensors {
   std::unordered_map<std::string, StoredMatrix> matrices;
   TensorMap small;
   std::vector<std::shared_ptr<const void>> owners;
+  // Hugging Face checkpoints: each projection's module path as PEFT names it (the model's module
+  // tree, e.g. "transformer.h.0.self_attention.query_key_value") -> the relgen matrices it feeds
+  // (one, or q, k and v of a fused projection). Empty for relgen's own format.
+  std::map<std::string, std::vector<std::string>> peft_modules;
 };
 
 // Whether relgen name `name` is kept as stored (a projection, the embedding or the LM head).
@@ -170,6 +175,9 @@ class Model {
   // A matrix by relgen name, or null; a float32 small tensor by relgen name, or null.
   const StoredMatrix* Matrix(const std::string& name) const;
   const float* Small(const std::string& name) const;
+
+  // Where a LoRA adapter's modules land (StoredTensors::peft_modules); empty: not adaptable.
+  const std::map<std::string, std::vector<std::string>>& peft_modules() const { return storage_.peft_modules; }
 
   // Weight dtype on disk (the first tensor's), for reporting.
   DType file_dtype() const { return file_dtype_; }
