@@ -38,6 +38,35 @@ TEST(SchedulerTest, HeadOfQueueIsNeverOvertaken) {
   EXPECT_TRUE(s.chunks.empty());
 }
 
+// max_loras 2: adapters 1 and 2 run; a waiting sequence of adapter 3 is not admitted (nor anyone
+// behind it), one of a running adapter or of the base is.
+TEST(SchedulerTest, AdmitsNoMoreAdaptersThanMaxLoras) {
+  SchedulerConfig c = Config();
+  c.max_loras = 2;
+  SchedSeq r[] = {Decoding(1, 5), Decoding(2, 5)};
+  r[0].adapter = 1;
+  r[1].adapter = 2;
+  SchedSeq w[] = {Waiting(3, 4), Waiting(4, 4), Waiting(5, 4)};
+  w[0].adapter = 2;
+  w[1].adapter = 0;
+  w[2].adapter = 3;
+  Schedule s = ComputeSchedule(r, w, 100, c);
+  ASSERT_EQ(s.chunks.size(), 4u);  // both running, then 3 and 4; 5 waits
+  EXPECT_EQ(s.chunks[2].id, 3);
+  EXPECT_EQ(s.chunks[3].id, 4);
+  // Adapter 3 at the head: it waits, and the base's sequence behind it too (first come, first served).
+  std::swap(w[0], w[2]);
+  s = ComputeSchedule(r, w, 100, c);
+  EXPECT_EQ(s.chunks.size(), 2u);
+  // Once adapter 2's sequence has left, adapter 3 takes its place; a fourth adapter behind it waits.
+  SchedSeq w2[] = {Waiting(5, 4), Waiting(6, 4)};
+  w2[0].adapter = 3;
+  w2[1].adapter = 4;
+  s = ComputeSchedule({r, 1}, w2, 100, c);
+  ASSERT_EQ(s.chunks.size(), 2u);
+  EXPECT_EQ(s.chunks[1].id, 5);
+}
+
 TEST(SchedulerTest, TokenBudgetChunksPrompts) {
   const SchedSeq r[] = {Decoding(1, 9)};
   const SchedSeq w[] = {Waiting(2, 300), Waiting(3, 4)};

@@ -47,17 +47,21 @@ fi
 # tests/lm_eval_test.py runs against the server, from PyPI in a venv over Debian's torch
 # (tests/CMakeLists.txt: RELGEN_HF_PYTHON). Test tools only. lm-eval's own requirements resolve
 # against Debian's numpy 1.24 with accelerate 0.34 (its hf backend), pyarrow <= 21 and pandas < 2.3;
-# its hf extra is not installed (Debian's torch calls itself 1.13.0a0, which peft's pin refuses).
+# its hf extra is not installed (Debian's torch calls itself 1.13.0a0, which peft's pin refuses;
+# peft itself is installed without its pins, below).
 if [ "$mode" = test ]; then
   venv=build-hf-venv
-  if ! "$venv/bin/python" -c 'import transformers, tokenizers, sentencepiece, openai, lm_eval, accelerate' 2>/dev/null; then
-    echo "== making $venv (transformers 4.46.3, tokenizers 0.20.3, openai 1.58.1, lm-eval 0.4.13 from PyPI, over Debian's torch)"
+  if ! "$venv/bin/python" -c 'import transformers, tokenizers, sentencepiece, openai, lm_eval, accelerate, peft' 2>/dev/null; then
+    echo "== making $venv (transformers 4.46.3, tokenizers 0.20.3, openai 1.58.1, lm-eval 0.4.13, peft 0.13.2 from PyPI, over Debian's torch)"
     rm -rf "$venv"
     /usr/bin/python3 -m venv --system-site-packages "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check \
       "transformers==4.46.3" "tokenizers==0.20.3" "sentencepiece==0.2.0" \
       "openai==1.58.1" "httpx==0.28.1" \
       "lm-eval[api]==0.4.13" "accelerate==0.34.2" "pyarrow<=21" "numpy==1.24.2" "pandas<2.3"
+    # PEFT, the LoRA adapters' reference (tools/make_lora_adapters.py): its torch>=1.13 pin refuses
+    # Debian's 1.13.0a0, and everything else it needs is above.
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "peft==0.13.2"
   fi
 fi
 # music21 (Bach's chorales, tools/chorales.py), mido (MIDI) and matplotlib (piano rolls) for the

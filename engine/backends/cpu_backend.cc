@@ -190,6 +190,7 @@ class CpuBackend final : public Backend, public LogitsForward {
     }
     slots_.clear();
     slots_.resize(max_loras);
+    lora_scratch_.assign(max_loras, LoraScratch{});
     return absl::OkStatus();
   }
 
@@ -332,8 +333,11 @@ class CpuBackend final : public Backend, public LogitsForward {
   std::vector<LoraSlot> slots_;  // ConfigureLora's max_loras
   uint64_t forwards_ = 0;
   std::vector<int> lora_rows_;  // per row of the pass under way: its adapter's slot, or -1
-  std::vector<int> lora_pick_;
-  std::vector<float> lora_x_, lora_t_, lora_u_;
+  struct LoraScratch {
+    std::vector<int> rows;
+    std::vector<float> x, t, u;  // gathered inputs, x A^T, (x A^T) B^T
+  };
+  std::vector<LoraScratch> lora_scratch_;  // per slot
 };
 
 absl::StatusOr<std::vector<int>> CpuBackend::LoraSlots(absl::Span<const SequenceStep> steps) {
@@ -392,29 +396,51 @@ void CpuBackend::SetLoraRows(const std::vector<int>& slot, const std::vector<int
 void CpuBackend::ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w, float* y) {
   if (lora_rows_.empty() || static_cast<int>(lora_rows_.size()) != rows) return;
   const int k = w.k(), n = w.n();
+  // The adapters of this step that adapt w, and their rows.
+  struct Work {
+    const LoraPacked* lp;
+    std::vector<int>* rows;
+    LoraScratch* scratch;
+  };
+  std::vector<Work> work;
   for (size_t s = 0; s < slots_.size(); ++s) {
     const LoraSlot& slot = slots_[s];
     if (slot.used != forwards_) continue;
     auto it = slot.of.find(&w);
     if (it == slot.of.end()) continue;
-    const LoraPacked& lp = it->second;
-    lora_pick_.clear();
+    LoraScratch& sc = lora_scratch_[s];
+    sc.rows.clear();
     for (int r = 0; r < rows; ++r) {
-      if (lora_rows_[r] == static_cast<int>(s)) lora_pick_.push_back(r);
+      if (lora_rows_[r] == static_cast<int>(s)) sc.rows.push_back(r);
     }
-    if (lora_pick_.empty()) continue;
-    const int m = static_cast<int>(lora_pick_.size()), rank = lp.a.n();
-    lora_x_.resize(int64_t{m} * k);
-    for (int i = 0; i < m; ++i) std::copy_n(x + int64_t{lora_pick_[i]} * k, k, lora_x_.data() + int64_t{i} * k);
-    lora_t_.resize(int64_t{m} * rank);
-    lora_u_.resize(int64_t{m} * n);
-    cpu::LinearPacked(lora_x_.data(), m, lp.a, nullptr, lora_t_.data(), &pool_);
-    cpu::LinearPacked(lora_t_.data(), m, lp.b, nullptr, lora_u_.data(), &pool_);
+    if (!sc.rows.empty()) work.push_back({&it->second, &sc.rows, &sc});
+  }
+  // One adapter's rows: gathered, through A and B, scaled into y (rows of different adapters are
+  // disjoint, so adapters may run at once).
+  auto apply = [&](const Work& wk, cpu::ThreadPool* pool) {
+    const int m = static_cast<int>(wk.rows->size()), rank = wk.lp->a.n();
+    LoraScratch& sc = *wk.scratch;
+    sc.x.resize(int64_t{m} * k);
+    sc.t.resize(int64_t{m} * rank);
+    sc.u.resize(int64_t{m} * n);
+    for (int i = 0; i < m; ++i) std::copy_n(x + int64_t{(*wk.rows)[i]} * k, k, sc.x.data() + int64_t{i} * k);
+    cpu::LinearPacked(sc.x.data(), m, wk.lp->a, nullptr, sc.t.data(), pool);
+    cpu::LinearPacked(sc.t.data(), m, wk.lp->b, nullptr, sc.u.data(), pool);
     for (int i = 0; i < m; ++i) {
-      float* yr = y + int64_t{lora_pick_[i]} * n;
-      const float* ur = lora_u_.data() + int64_t{i} * n;
-      for (int o = 0; o < n; ++o) yr[o] += ur[o] * lp.scale;
+      float* yr = y + int64_t{(*wk.rows)[i]} * n;
+      const float* ur = sc.u.data() + int64_t{i} * n;
+      for (int o = 0; o < n; ++o) yr[o] += ur[o] * wk.lp->scale;
     }
+  };
+  // Several adapters (a decode step's few rows each): one task per adapter, so the step makes one
+  // hand-off to the pool per projection, not two per adapter. One adapter: its GEMMs split over the
+  // pool by output panels. Either way no element's arithmetic changes.
+  if (work.size() > 1) {
+    pool_.ParallelFor(static_cast<int>(work.size()), [&](int begin, int end) {
+      for (int i = begin; i < end; ++i) apply(work[i], nullptr);
+    });
+  } else if (!work.empty()) {
+    apply(work[0], &pool_);
   }
 }
 

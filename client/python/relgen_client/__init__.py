@@ -133,9 +133,9 @@ class Client:
                  allowed_token_ids: Sequence[int] = (), bad_words: Sequence[Sequence[int]] = (), min_tokens=None,
                  min_p=None, truncate_prompt_tokens=None, skip_special_tokens=None,
                  no_repeat_ngram_size=None, num_beams=None, length_penalty=None, early_stopping=None,
-                 num_return_sequences=None) -> pb.GenerateRequest:
+                 num_return_sequences=None, adapter: str = "") -> pb.GenerateRequest:
         r = pb.GenerateRequest(request_id=request_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                               ignore_eos=ignore_eos, allowed_token_ids=list(allowed_token_ids))
+                               ignore_eos=ignore_eos, allowed_token_ids=list(allowed_token_ids), adapter=adapter)
         for word in bad_words:
             r.bad_words.add().ids.extend(int(t) for t in word)
         for token, bias in (logit_bias or {}).items():
@@ -162,7 +162,7 @@ class Client:
 
     def generate(self, prompt: Union[str, Sequence[int]], *, timeout: Optional[float] = None, **params) -> Completion:
         """Generates the whole continuation. `params` are the GenerateRequest fields, among them
-        `n` (samples, 1..16) and `prompt_logprobs` (k, 0..20)."""
+        `n` (samples, 1..16), `prompt_logprobs` (k, 0..20) and `adapter` (a LoRA adapter's name)."""
         try:
             resp = self._stub.Generate(self._request(prompt, **params), timeout=timeout or self._timeout)
         except grpc.RpcError as e:
@@ -180,11 +180,12 @@ class Client:
                           _logprobs(resp.prompt_logprobs), resp.beam_score)
 
     def score(self, context: Union[str, Sequence[int]], continuations: Sequence[Union[str, Sequence[int]]], *,
-              top_logprobs: Optional[int] = None, request_id: str = "",
+              top_logprobs: Optional[int] = None, request_id: str = "", adapter: str = "",
               timeout: Optional[float] = None) -> ScoreResult:
         """Log-probabilities of each continuation (text or token ids; 1..64, each non-empty) after the
-        context (text or token ids), with `top_logprobs` alternatives per token."""
-        r = pb.ScoreRequest(request_id=request_id)
+        context (text or token ids), with `top_logprobs` alternatives per token, under the LoRA adapter
+        named `adapter` (empty: the base)."""
+        r = pb.ScoreRequest(request_id=request_id, adapter=adapter)
         if isinstance(context, str):
             r.text = context
         else:
