@@ -82,6 +82,20 @@ Loaded Load(const std::string& name) {
   return l;
 }
 
+// An engine on the caller's thread over `l`'s adapters, two resident slots, books audited each step.
+std::unique_ptr<Engine> NewEngine(const Loaded& l, std::unique_ptr<Backend> backend) {
+  EngineConfig config;
+  config.background_thread = false;
+  config.adapters = l.adapters;
+  config.scheduler.max_loras = 2;
+  config.check_invariants = true;
+  auto tok = NewTokenizer(l.model->config(), l.model->dir());
+  EXPECT_TRUE(tok.ok()) << tok.status();
+  auto e = Engine::Create(l.model, std::move(backend), *std::move(tok), config);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? *std::move(e) : nullptr;
+}
+
 // Every row's log-probabilities within `tol` of the reference's (log-softmax of both in double).
 void ExpectLogprobsClose(const float* got, const double* want, int rows, int vocab, double tol, const std::string& what) {
   for (int r = 0; r < rows; ++r) {
@@ -232,15 +246,8 @@ TEST_P(LoraTest, EngineWithFewerSlotsThanAdaptersServesEach) {
   Loaded l = Load(GetParam());
   ASSERT_EQ(l.adapters.size(), 3u);
   const ModelConfig& c = l.model->config();
-  EngineConfig config;
-  config.background_thread = false;
-  config.adapters = l.adapters;
-  config.scheduler.max_loras = 2;
-  config.check_invariants = true;
-  auto tok = NewTokenizer(c, l.model->dir());
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  auto e = Engine::Create(l.model, Cpu(l.model, 2), *std::move(tok), config);
-  ASSERT_TRUE(e.ok()) << e.status();
+  std::unique_ptr<Engine> e = NewEngine(l, Cpu(l.model, 2));
+  ASSERT_NE(e, nullptr);
   struct Want {
     std::shared_ptr<RequestHandle> handle;
     std::vector<int32_t> greedy;
@@ -266,14 +273,14 @@ TEST_P(LoraTest, EngineWithFewerSlotsThanAdaptersServesEach) {
       r.stop.max_new_tokens = static_cast<int>(greedy.size());
       r.stop.ignore_eos = true;
       r.adapter = i == 0 ? "" : l.adapters[i - 1]->name;
-      auto h = (*e)->Submit(r);
+      auto h = e->Submit(r);
       ASSERT_TRUE(h.ok()) << h.status();
       wants.push_back({*h, greedy, r.id});
     }
   }
   for (int steps = 0, left = static_cast<int>(wants.size()); left > 0; ++steps) {
     ASSERT_LT(steps, 10000) << "the requests did not finish";
-    (*e)->RunOnce();
+    e->RunOnce();
     for (Want& w : wants) {
       Output o;
       while (!w.done && w.handle->Next(&o, absl::ZeroDuration())) {
@@ -296,13 +303,8 @@ TEST_P(LoraTest, PrefixCacheNeverCrossesAdapters) {
   Loaded l = Load(GetParam());
   ASSERT_EQ(l.adapters.size(), 3u);
   const ModelConfig& c = l.model->config();
-  EngineConfig config;
-  config.background_thread = false;
-  config.adapters = l.adapters;
-  config.scheduler.max_loras = 2;
-  config.check_invariants = true;
-  auto e = Engine::Create(l.model, Cpu(l.model, 2, 256, 4), *NewTokenizer(c, l.model->dir()), config);
-  ASSERT_TRUE(e.ok()) << e.status();
+  std::unique_ptr<Engine> e = NewEngine(l, Cpu(l.model, 2, 256, 4));
+  ASSERT_NE(e, nullptr);
   // The longest prompt (several whole blocks of 4).
   std::vector<int32_t> prompt;
   std::vector<std::vector<int32_t>> greedy(4);
@@ -327,11 +329,11 @@ TEST_P(LoraTest, PrefixCacheNeverCrossesAdapters) {
     r.stop.max_new_tokens = static_cast<int>(greedy[who].size());
     r.stop.ignore_eos = true;
     r.adapter = who == 0 ? "" : l.adapters[who - 1]->name;
-    auto h = (*e)->Submit(r);
+    auto h = e->Submit(r);
     EXPECT_TRUE(h.ok()) << h.status();
     std::vector<int32_t> got;
     for (bool done = false; !done;) {
-      (*e)->RunOnce();
+      e->RunOnce();
       Output o;
       while (!done && (*h)->Next(&o, absl::ZeroDuration())) {
         got.insert(got.end(), o.token_ids.begin(), o.token_ids.end());
@@ -339,7 +341,7 @@ TEST_P(LoraTest, PrefixCacheNeverCrossesAdapters) {
       }
     }
     EXPECT_EQ(got, greedy[who]) << (who == 0 ? "base" : l.adapters[who - 1]->name);
-    return (*e)->Stats().prefix_cache_hits;
+    return e->Stats().prefix_cache_hits;
   };
   const int64_t first = run(1);
   EXPECT_EQ(run(2), first) << "another adapter found the first one's blocks";
@@ -352,16 +354,12 @@ TEST_P(LoraTest, PrefixCacheNeverCrossesAdapters) {
 
 TEST_P(LoraTest, UnknownAdapterIsNotFound) {
   Loaded l = Load(GetParam());
-  EngineConfig config;
-  config.background_thread = false;
-  config.adapters = l.adapters;
-  config.scheduler.max_loras = 2;
-  auto e = Engine::Create(l.model, Cpu(l.model, 2), *NewTokenizer(l.model->config(), l.model->dir()), config);
-  ASSERT_TRUE(e.ok()) << e.status();
+  std::unique_ptr<Engine> e = NewEngine(l, Cpu(l.model, 2));
+  ASSERT_NE(e, nullptr);
   Request r;
   r.prompt = {3, 4, 5};
   r.adapter = "no-such-adapter";
-  auto h = (*e)->Submit(r);
+  auto h = e->Submit(r);
   ASSERT_FALSE(h.ok());
   EXPECT_EQ(h.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(h.status().message(), HasSubstr("'no-such-adapter'"));
