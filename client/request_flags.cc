@@ -38,6 +38,7 @@ const std::vector<FieldFlag>& RequestFlags() {
       {"--length_penalty", "length_penalty", "beam score = log-probability / length^length_penalty"},
       {"--early_stopping", "early_stopping", "true|false|never: when beam search ends (transformers')"},
       {"--num_return_sequences", "num_return_sequences", "best beam sequences returned, 1..num_beams"},
+      {"--adapter", "adapter", "a LoRA adapter's name (the server's --lora_modules); default: the base model"},
   };
   return flags;
 }
@@ -50,6 +51,7 @@ const std::vector<FieldFlag>& ScoreFlags() {
       {"--continuation", "continuations", "a continuation to score (text); repeat the flag for several"},
       {"--continuation_token_ids", "continuations", "a continuation as comma-separated token ids; repeatable"},
       {"--top_logprobs", "top_logprobs", "k: also the k most likely alternatives at each token"},
+      {"--adapter", "adapter", "a LoRA adapter's name (the server's --lora_modules); default: the base model"},
   };
   return flags;
 }
@@ -181,11 +183,15 @@ std::string ParseArgs(const std::vector<std::string>& args, ClientOptions* out) 
       } else if (flag == "--top_logprobs") {
         if (!absl::SimpleAtoi(value, &iv)) return bad("expected an integer");
         sr.set_top_logprobs(iv);
+      } else if (flag == "--adapter") {
+        sr.set_adapter(value);
       } else {
         return "unknown flag " + flag + " for score";
       }
     } else if (flag == "--request_id") {
       r.set_request_id(value);
+    } else if (flag == "--adapter") {
+      r.set_adapter(value);
     } else if (flag == "--prompt") {
       r.set_text(value);
       out->prompt_given = true;

@@ -142,8 +142,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                    "Streams cancelled because the client left a write unread past --stream_write_timeout_seconds.");
   requests_ = &prometheus::BuildCounter()
                    .Name("relgen_requests_total")
-                   .Help("Finished requests by finish reason (each sample of a call, and each continuation it "
-                         "scores, is one).")
+                   .Help("Finished requests by finish reason and LoRA adapter (each sample of a call, and each "
+                         "continuation it scores, is one; the base's requests have no adapter label).")
                    .Register(*registry_);
   for (const char* r : kFinishReasons) requests_->Add({{"finish_reason", r}});
   errors_ = &prometheus::BuildCounter().Name("relgen_request_errors_total")
@@ -197,7 +197,13 @@ void Metrics::OnToken(absl::Duration since_previous) {
 }
 
 void Metrics::OnFinished(const RequestSummary& s) {
-  requests_->Add({{"finish_reason", std::string(FinishReasonName(s.reason))}}).Increment();
+  // A LoRA adapter's requests carry its name (bounded: only registered names reach the engine);
+  // the base's carry no adapter label, as before adapters, which Prometheus reads as adapter="".
+  if (s.adapter.empty()) {
+    requests_->Add({{"finish_reason", std::string(FinishReasonName(s.reason))}}).Increment();
+  } else {
+    requests_->Add({{"finish_reason", std::string(FinishReasonName(s.reason))}, {"adapter", s.adapter}}).Increment();
+  }
   // Errors are booked by code where the call is answered (OnRefused), engine errors included.
   prompt_tokens_->Increment(s.prompt_tokens);
   prompt_tokens_hist_->Observe(s.prompt_tokens);

@@ -41,7 +41,8 @@ TEST(ClientFlagsTest, OneFlagPerRequestField) {
       {"--logit_bias", "7:-2.5"}, {"--allowed_token_ids", "1,2"}, {"--bad_words", "3,4"}, {"--min_tokens", "2"},
       {"--min_p", "0.1"}, {"--truncate_prompt_tokens", "5"},
       {"--skip_special_tokens", "false"}, {"--no_repeat_ngram_size", "3"}, {"--num_beams", "4"},
-      {"--length_penalty", "0.5"}, {"--early_stopping", "never"}, {"--num_return_sequences", "2"}};
+      {"--length_penalty", "0.5"}, {"--early_stopping", "never"}, {"--num_return_sequences", "2"},
+      {"--adapter", "sql"}};
   for (const auto& f : client::RequestFlags()) {
     client::ClientOptions o;
     std::vector<std::string> args = {"generate", f.flag};
@@ -91,7 +92,7 @@ TEST(ClientFlagsTest, ScoreFlagsCoverTheScoreRequest) {
   EXPECT_EQ(flagged, fields);
   const std::map<std::string, std::string> sample = {
       {"--request_id", "abc"}, {"--context", "hello"}, {"--context_token_ids", "1,2"}, {"--continuation", "x"},
-      {"--continuation_token_ids", "3,4"}, {"--top_logprobs", "2"}};
+      {"--continuation_token_ids", "3,4"}, {"--top_logprobs", "2"}, {"--adapter", "sql"}};
   for (const auto& f : client::ScoreFlags()) {
     client::ClientOptions o;
     std::vector<std::string> args = {"score", f.flag, sample.at(f.flag)};

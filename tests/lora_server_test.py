@@ -5,6 +5,7 @@ tools/make_lora_adapters.py, with two resident slots for three adapters, against
 - Every (adapter or base, prompt) as a gRPC request, all at once from threads: PEFT's greedy tokens.
 - HTTP /v1/completions with `model` = an adapter's name: the same text as gRPC under that adapter.
 - Score under an adapter: each continuation token's log-probability within 1e-4 of PEFT's.
+- relgen_requests_total counts each adapter's requests under its name (label `adapter`).
 - An unknown adapter: gRPC NOT_FOUND and HTTP 404, naming it; a broken adapter: the server refuses to
   start, naming what is wrong.
 
@@ -102,6 +103,15 @@ class LoraServerTest(unittest.TestCase):
                     want = row[token] - m - math.log(sum(math.exp(x - m) for x in row))
                     self.assertAlmostEqual(scored.logprobs[t].logprob, want, delta=1e-4,
                                            msg=f"{name} {adapter} token {t}")
+
+            # The finished requests' counter by adapter: three prompts' requests each, one Score's.
+            with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=60) as r:
+                text = r.read().decode()
+            for a in b["adapters"]:
+                line = f'relgen_requests_total{{adapter="{a["name"]}",finish_reason="length"}} '
+                self.assertIn(line, text)
+                want = 3 + 1 + (1 if a["name"] == work[-1][0] else 0)  # generate x 3, score, the HTTP one
+                self.assertEqual(float(text.split(line)[1].split()[0]), want, a["name"])
 
             # Unknown names.
             with self.assertRaises(relgen_client.RelgenError) as err:

@@ -124,7 +124,7 @@ void Engine::EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& sta
     } else if (reason == FinishReason::kNone) {
       o.finish_reason = FinishReason::kStop;  // fewer hypotheses than asked for (every token banned)
     }
-    if (j == 0) Observe(o.finish_reason, o.status.code(), prompt_tokens, generated, timing);
+    if (j == 0) Observe(o.finish_reason, o.status.code(), prompt_tokens, generated, timing, g.adapter);
     g.handles[j]->Deliver(std::move(o));
   }
 }

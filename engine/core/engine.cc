@@ -164,6 +164,7 @@ std::unique_ptr<Engine::Seq> Engine::MakeGroup(Request r, std::vector<std::share
     g->submitted = now;
     g->prompt_tokens = n;
     g->skip_special_tokens = r.skip_special_tokens;
+    g->adapter = group.front()->adapter;
     group.front()->beam = g;
     group.front()->beam_index = 0;
   }

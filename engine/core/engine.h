@@ -40,6 +40,7 @@ struct RequestSummary {
   absl::Duration queue;  // submit -> first scheduled (submit -> finish if never scheduled)
   absl::Duration time_to_first_token;  // zero when no token was generated
   absl::Duration e2e;
+  std::string adapter;  // the LoRA adapter it ran under (EngineConfig::adapters), empty for the base
 };
 
 // The engine thread's time in one iteration of its loop that launched a step, landed one, or both
@@ -206,7 +207,8 @@ class Engine {
   // the block and queue gauges (a client with its final output must not still count as running).
   void BookFinished(int generated);
   // The observer's summary of a finished request.
-  void Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated, const RequestTiming& t);
+  void Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated, const RequestTiming& t,
+               const LoraAdapter* adapter);
   // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
   // blocks a sequence has computed.
   // The index + 1 of the registered adapter `name`, 0 for none or an unknown name.

@@ -85,6 +85,7 @@ struct Engine::BeamGroup {
   bool skip_special_tokens = true;
   absl::Time submitted;
   absl::Time scheduled = absl::InfinitePast();  // its first admission
+  const LoraAdapter* adapter = nullptr;          // the request's (for its books)
 };
 
 // One step, from the plan to what the backend answered.
