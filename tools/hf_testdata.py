@@ -37,8 +37,9 @@ class BrokenCopies:
         return d
 
     @staticmethod
-    def edit_config(d, fn):
-        p = os.path.join(d, "config.json")
+    def edit_config(d, fn, name="config.json"):
+        """fn(the JSON file `name` in d, parsed), written back."""
+        p = os.path.join(d, name)
         with open(p) as f:
             c = json.load(f)
         fn(c)

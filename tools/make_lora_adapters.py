@@ -336,12 +336,7 @@ class BadAdapters:
 
     @staticmethod
     def edit_config(d, fn):
-        p = os.path.join(d, "adapter_config.json")
-        with open(p) as f:
-            c = json.load(f)
-        fn(c)
-        with open(p, "w") as f:
-            json.dump(c, f, indent=2)
+        hf_testdata.BrokenCopies.edit_config(d, fn, "adapter_config.json")
 
     @staticmethod
     def edit_tensors(d, fn):

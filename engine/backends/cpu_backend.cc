@@ -332,9 +332,9 @@ class CpuBackend final : public Backend, public LogitsForward {
   std::unordered_map<std::string, const cpu::PackedMatrix*> projection_of_;
   std::vector<LoraSlot> slots_;  // ConfigureLora's max_loras
   uint64_t forwards_ = 0;
-  std::vector<int> lora_rows_;  // per row of the pass under way: its adapter's slot, or -1
+  int lora_total_ = 0;  // rows of the pass under way where some have an adapter, else 0
   struct LoraScratch {
-    std::vector<int> rows;
+    std::vector<int> rows;  // the slot's rows in the pass under way
     std::vector<float> x, t, u;  // gathered inputs, x A^T, (x A^T) B^T
   };
   std::vector<LoraScratch> lora_scratch_;  // per slot
@@ -385,16 +385,18 @@ absl::StatusOr<std::vector<int>> CpuBackend::LoraSlots(absl::Span<const Sequence
 
 void CpuBackend::SetLoraRows(const std::vector<int>& slot, const std::vector<int>& first, const std::vector<int>& count,
                              int total) {
-  lora_rows_.clear();
-  bool any = false;
-  for (int s : slot) any = any || s >= 0;
-  if (!any) return;  // rows without an adapter cost nothing
-  lora_rows_.assign(total, -1);
-  for (size_t i = 0; i < slot.size(); ++i) std::fill_n(lora_rows_.begin() + first[i], count[i], slot[i]);
+  lora_total_ = 0;
+  for (LoraScratch& sc : lora_scratch_) sc.rows.clear();
+  for (size_t i = 0; i < slot.size(); ++i) {
+    if (slot[i] < 0) continue;  // rows without an adapter cost nothing
+    std::vector<int>& rows = lora_scratch_[slot[i]].rows;
+    for (int r = first[i]; r < first[i] + count[i]; ++r) rows.push_back(r);
+    lora_total_ = total;
+  }
 }
 
 void CpuBackend::ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w, float* y) {
-  if (lora_rows_.empty() || static_cast<int>(lora_rows_.size()) != rows) return;
+  if (lora_total_ != rows) return;  // no adapter in the pass, or not its rows (the LM head's)
   const int k = w.k(), n = w.n();
   // The adapters of this step that adapt w, and their rows.
   struct Work {
@@ -409,10 +411,6 @@ void CpuBackend::ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w,
     auto it = slot.of.find(&w);
     if (it == slot.of.end()) continue;
     LoraScratch& sc = lora_scratch_[s];
-    sc.rows.clear();
-    for (int r = 0; r < rows; ++r) {
-      if (lora_rows_[r] == static_cast<int>(s)) sc.rows.push_back(r);
-    }
     if (!sc.rows.empty()) work.push_back({&it->second, &sc.rows, &sc});
   }
   // One adapter's rows: gathered, through A and B, scaled into y (rows of different adapters are

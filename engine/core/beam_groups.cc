@@ -58,7 +58,6 @@ void Engine::SelectBeams(BeamGroup& g) {
     f->submitted = par.submitted;
     f->scheduled = par.scheduled;
     f->beam = par.beam;
-    f->adapter = par.adapter;
     f->adapter_id = par.adapter_id;
     const int shared =
         config_.share_beam_blocks ? std::min<int>(par.num_computed, static_cast<int>(par.tokens.size())) / bs : 0;
@@ -124,7 +123,7 @@ void Engine::EndBeams(BeamGroup& g, FinishReason reason, const absl::Status& sta
     } else if (reason == FinishReason::kNone) {
       o.finish_reason = FinishReason::kStop;  // fewer hypotheses than asked for (every token banned)
     }
-    if (j == 0) Observe(o.finish_reason, o.status.code(), prompt_tokens, generated, timing, g.adapter);
+    if (j == 0) Observe(o.finish_reason, o.status.code(), prompt_tokens, generated, timing, g.adapter_id);
     g.handles[j]->Deliver(std::move(o));
   }
 }

@@ -60,7 +60,7 @@ void Engine::Finish(Seq& s, FinishReason reason, absl::Status status, Output* la
   o.timing.time_to_first_token = s.first_token == absl::InfinitePast() ? absl::ZeroDuration() : s.first_token - s.submitted;
   o.timing.total = now - s.submitted;
   // A group's prompt counts once.
-  Observe(reason, o.status.code(), s.follower ? 0 : o.prompt_tokens, o.generated_tokens, o.timing, s.adapter);
+  Observe(reason, o.status.code(), s.follower ? 0 : o.prompt_tokens, o.generated_tokens, o.timing, s.adapter_id);
   s.handle->Deliver(std::move(o));
 }
 
@@ -79,7 +79,7 @@ void Engine::BookFinished(int generated) {
 }
 
 void Engine::Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated,
-                     const RequestTiming& t, const LoraAdapter* adapter) {
+                     const RequestTiming& t, int adapter_id) {
   if (!config_.observer) return;
   RequestSummary sum;
   sum.reason = reason;
@@ -89,7 +89,7 @@ void Engine::Observe(FinishReason reason, absl::StatusCode code, int prompt_toke
   sum.queue = t.queue;
   sum.time_to_first_token = t.time_to_first_token;
   sum.e2e = t.total;
-  if (adapter != nullptr) sum.adapter = adapter->name;
+  if (adapter_id > 0) sum.adapter = Adapter(adapter_id)->name;
   config_.observer->OnFinished(sum);
 }
 

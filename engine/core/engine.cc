@@ -46,10 +46,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Mod
     return absl::InvalidArgumentError("LoRA adapters are registered but max_loras is 0; allowed: >= 1");
   }
   for (size_t i = 0; i < config.adapters.size(); ++i) {
+    if (config.adapters[i]->name.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("adapter ", i, " (", config.adapters[i]->dir,
+                                                     ") has an empty name; a request names its adapter by it"));
+    }
     for (size_t j = 0; j < i; ++j) {
-      if (config.adapters[i]->name == config.adapters[j]->name || config.adapters[i]->name.empty()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("adapter name '", config.adapters[i]->name, "' is empty or registered twice"));
+      if (config.adapters[i]->name == config.adapters[j]->name) {
+        return absl::InvalidArgumentError(absl::StrCat("adapter name '", config.adapters[i]->name,
+                                                       "' is registered twice; each name must be unique"));
       }
     }
   }
@@ -122,7 +126,6 @@ std::unique_ptr<Engine::Seq> Engine::MakeGroup(Request r, std::vector<std::share
     s->handle->id_ = r.id;
     s->req = r;
     s->adapter_id = AdapterId(r.adapter);
-    if (s->adapter_id > 0) s->adapter = config_.adapters[s->adapter_id - 1].get();
     s->follower = i > 0;
     if (s->follower) s->req.prompt_logprobs = -1;
     s->tokens = c.encoder_decoder ? std::vector<int32_t>{c.decoder_start_token_id} : r.prompt;
@@ -164,7 +167,7 @@ std::unique_ptr<Engine::Seq> Engine::MakeGroup(Request r, std::vector<std::share
     g->submitted = now;
     g->prompt_tokens = n;
     g->skip_special_tokens = r.skip_special_tokens;
-    g->adapter = group.front()->adapter;
+    g->adapter_id = group.front()->adapter_id;
     group.front()->beam = g;
     group.front()->beam_index = 0;
   }
@@ -502,7 +505,7 @@ void Engine::BuildInputs(StepBatch* b) {
     st.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, n);
     st.start_pos = s.num_computed;
     st.block_table = s.blocks;
-    st.adapter = s.adapter;
+    st.adapter = Adapter(s.adapter_id);
     if (s.pending_pos >= 0) {
       // The last token is the draw of the step in flight (the only placeholder, always last).
       if (s.pending_pos != s.num_computed + n - 1) std::abort();

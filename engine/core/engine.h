@@ -208,11 +208,13 @@ class Engine {
   void BookFinished(int generated);
   // The observer's summary of a finished request.
   void Observe(FinishReason reason, absl::StatusCode code, int prompt_tokens, int generated, const RequestTiming& t,
-               const LoraAdapter* adapter);
+               int adapter_id);
   // Prefix cache: the hits a waiting sequence would get (s.hits, s.chain), and registering the full
   // blocks a sequence has computed.
   // The index + 1 of the registered adapter `name`, 0 for none or an unknown name.
   int AdapterId(const std::string& name) const;
+  // The adapter of id `id` (AdapterId), null for 0.
+  const LoraAdapter* Adapter(int id) const { return id > 0 ? config_.adapters[id - 1].get() : nullptr; }
   // The prefix cache's root of a sequence's chain (engine/core/kv_cache.h).
   std::vector<int32_t> PrefixRoot(const Seq& s) const;
   void LookupPrefix(Seq& s);

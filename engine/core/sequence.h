@@ -53,8 +53,7 @@ struct Engine::Seq {
   std::shared_ptr<BeamGroup> beam;
   int beam_index = -1;
   bool beam_answered = false;
-  // LoRA: the adapter (EngineConfig::adapters[adapter_id - 1]) or null and 0 for the base.
-  const LoraAdapter* adapter = nullptr;
+  // LoRA: the adapter's EngineConfig::adapters index + 1, 0 for the base (Engine::Adapter).
   int adapter_id = 0;
 
   // First token whose logits are needed (its row predicts the next token): nothing before it may come
@@ -85,7 +84,7 @@ struct Engine::BeamGroup {
   bool skip_special_tokens = true;
   absl::Time submitted;
   absl::Time scheduled = absl::InfinitePast();  // its first admission
-  const LoraAdapter* adapter = nullptr;          // the request's (for its books)
+  int adapter_id = 0;                            // the request's (for its books)
 };
 
 // One step, from the plan to what the backend answered.
