@@ -9,7 +9,9 @@ tools/make_lora_adapters.py, with two resident slots for three adapters, against
 - An unknown adapter: gRPC NOT_FOUND and HTTP 404, naming it; a broken adapter: the server refuses to
   start, naming what is wrong.
 
-Run by CTest with the build-hf-venv python; RELGEN_SERVER_BIN and RELGEN_LORA_CASES_DIR set."""
+Run by CTest with the build-hf-venv python; RELGEN_SERVER_BIN and RELGEN_LORA_CASES_DIR set, and
+RELGEN_SERVER_ARGS (space-separated) where the server needs more: lora_server_test_emu runs it on the
+emulated CUDA backend in float32 (--device cuda --weights_dtype f32 --kv_cache_dtype f32)."""
 import concurrent.futures
 import json
 import math
@@ -26,6 +28,7 @@ from openai_api_test import Server, relgen_client  # noqa: E402  (stubs and the 
 from safetensors.numpy import load_file  # noqa: E402
 
 CASES = os.environ["RELGEN_LORA_CASES_DIR"]
+SERVER_ARGS = os.environ.get("RELGEN_SERVER_ARGS", "").split()
 with open(os.path.join(CASES, "manifest.json")) as f:
     MANIFEST = json.load(f)
 
@@ -60,7 +63,7 @@ class LoraServerTest(unittest.TestCase):
     def serve(self, name):
         b = base(name)
         modules = ",".join(f"{a['name']}={a['dir']}" for a in b["adapters"])
-        return b, Server("--lora_modules", modules, "--max_loras", "2", "--max_lora_rank", "16", model=b["dir"])
+        return b, Server(*SERVER_ARGS, "--lora_modules", modules, "--max_loras", "2", "--max_lora_rank", "16", model=b["dir"])
 
     def check_base(self, name):
         b, server = self.serve(name)
@@ -134,7 +137,7 @@ class LoraServerTest(unittest.TestCase):
 
     def test_a_broken_adapter_stops_the_start(self):
         bad = next(x for x in MANIFEST["bad"] if x["name"] == "mpt-rank-64")
-        r = subprocess.run([os.environ["RELGEN_SERVER_BIN"], "--model", base(bad["base"])["dir"], "--listen",
+        r = subprocess.run([os.environ["RELGEN_SERVER_BIN"], *SERVER_ARGS, "--model", base(bad["base"])["dir"], "--listen",
                             "127.0.0.1:0", "--metrics_listen", "127.0.0.1:0", "--http_listen", "127.0.0.1:0",
                             "--lora_modules", f"big={bad['dir']}", "--max_lora_rank", "16"],
                            capture_output=True, text=True, timeout=120)

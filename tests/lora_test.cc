@@ -2,7 +2,10 @@
 // random PEFT adapters each (tools/make_lora_adapters.py, ctest fixture lora_adapters, directory in
 // RELGEN_LORA_CASES_DIR), and PEFT's own float32 outputs for each as the reference.
 //
-// - Each adapter, and the base alone, on the CPU backend: every step's argmax is PEFT's greedy token
+// The cases run on the CPU backend, and in lora_test_emu (RELGEN_LORA_TEST_CUDA) on the CUDA backend
+// against relgen's SIMT emulator.
+//
+// - Each adapter, and the base alone: every step's argmax is PEFT's greedy token
 //   and every log-probability of every row within 1e-4 of PEFT's.
 // - One step mixing the base and all three adapters gives each row the bits it gets alone.
 // - The engine with fewer resident slots than adapters (max_loras 2 for 3 adapters and the base),
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "engine/backends/cpu_backend.h"
+#include "engine/backends/cuda_backend.h"
 #include "engine/core/engine.h"
 #include "engine/model/lora.h"
 #include "engine/model/model.h"
@@ -28,6 +32,9 @@
 #include "tests/hf_reference.h"
 #include "tests/t5_reference.h"
 #include "tests/test_util.h"
+#if defined(RELGEN_LORA_TEST_CUDA)
+#include "tests/simt/simt.h"
+#endif
 
 namespace relgen {
 namespace {
@@ -53,9 +60,21 @@ json Base(const std::string& name) {
   return json::object();
 }
 
-std::unique_ptr<Backend> Cpu(const std::shared_ptr<const Model>& model, int max_loras, int blocks = 128,
-                             int block_size = 16) {
+// The backend under test: the CPU's, or (lora_test_emu) the CUDA backend on the SIMT emulator, its
+// float32 kernels, decode steps through captured graphs.
+std::unique_ptr<Backend> MakeBackend(const std::shared_ptr<const Model>& model, int max_loras, int blocks = 128,
+                                     int block_size = 16) {
+#if defined(RELGEN_LORA_TEST_CUDA)
+  CudaOptions o;
+  o.num_blocks = blocks;
+  o.block_size = block_size;
+  o.max_step_tokens = 256;
+  o.max_step_seqs = 16;
+  o.max_step_encoder_tokens = 256;
+  auto be = NewCudaBackend(model, o);
+#else
   auto be = NewCpuBackend(model, KvCacheConfig{block_size, blocks}, 2);
+#endif
   EXPECT_TRUE(be.ok()) << be.status();
   EXPECT_TRUE((*be)->ConfigureLora(max_loras, kMaxRank).ok());
   return *std::move(be);
@@ -163,7 +182,7 @@ TEST(LoraFixtureTest, CasesExist) {
 TEST_P(LoraTest, EachAdapterMatchesPeft) {
   Loaded l = Load(GetParam());
   ASSERT_EQ(l.adapters.size(), 3u);
-  auto be = Cpu(l.model, 2);
+  auto be = MakeBackend(l.model, 2);
   ExpectMatchesPeft(*be, *l.model, l.base, nullptr);
   for (size_t i = 0; i < l.adapters.size(); ++i) {
     SCOPED_TRACE(l.adapters[i]->name);
@@ -214,7 +233,7 @@ TEST_P(LoraTest, MixedBatchIsBitwiseEachAlone) {
     }
     return s;
   };
-  auto be = Cpu(l.model, 4);
+  auto be = MakeBackend(l.model, 4);
   for (bool first : {true, false}) {
     std::vector<SequenceStep> batch;
     for (int i = 0; i < k; ++i) batch.push_back(steps_of(i, first));
@@ -223,7 +242,7 @@ TEST_P(LoraTest, MixedBatchIsBitwiseEachAlone) {
     // Alone, in a backend of its own (the K/V of the first step are written again, the same).
     int row = 0;
     for (int i = 0; i < k; ++i) {
-      auto alone_be = Cpu(l.model, 4);
+      auto alone_be = MakeBackend(l.model, 4);
       std::vector<float> alone;
       if (!first) {
         SequenceStep prefill = steps_of(i, true);
@@ -246,7 +265,7 @@ TEST_P(LoraTest, EngineWithFewerSlotsThanAdaptersServesEach) {
   Loaded l = Load(GetParam());
   ASSERT_EQ(l.adapters.size(), 3u);
   const ModelConfig& c = l.model->config();
-  std::unique_ptr<Engine> e = NewEngine(l, Cpu(l.model, 2));
+  std::unique_ptr<Engine> e = NewEngine(l, MakeBackend(l.model, 2));
   ASSERT_NE(e, nullptr);
   struct Want {
     std::shared_ptr<RequestHandle> handle;
@@ -303,7 +322,7 @@ TEST_P(LoraTest, PrefixCacheNeverCrossesAdapters) {
   Loaded l = Load(GetParam());
   ASSERT_EQ(l.adapters.size(), 3u);
   const ModelConfig& c = l.model->config();
-  std::unique_ptr<Engine> e = NewEngine(l, Cpu(l.model, 2, 256, 4));
+  std::unique_ptr<Engine> e = NewEngine(l, MakeBackend(l.model, 2, 256, 4));
   ASSERT_NE(e, nullptr);
   // The longest prompt (several whole blocks of 4).
   std::vector<int32_t> prompt;
@@ -354,7 +373,7 @@ TEST_P(LoraTest, PrefixCacheNeverCrossesAdapters) {
 
 TEST_P(LoraTest, UnknownAdapterIsNotFound) {
   Loaded l = Load(GetParam());
-  std::unique_ptr<Engine> e = NewEngine(l, Cpu(l.model, 2));
+  std::unique_ptr<Engine> e = NewEngine(l, MakeBackend(l.model, 2));
   ASSERT_NE(e, nullptr);
   Request r;
   r.prompt = {3, 4, 5};
@@ -365,6 +384,75 @@ TEST_P(LoraTest, UnknownAdapterIsNotFound) {
   EXPECT_THAT(h.status().message(), HasSubstr("'no-such-adapter'"));
   EXPECT_THAT(h.status().message(), HasSubstr(l.adapters[0]->name));  // what is registered
 }
+
+#if defined(RELGEN_LORA_TEST_CUDA)
+// Rows without an adapter cost nothing: a step of the base alone on a backend with adapters resident
+// launches what it launches on one without LoRA (no slot lookup, the fused QKV writing the cache)
+// and gives the same bits; a step with an adapter adds its launches (prefill, then a decode step
+// through its graph).
+TEST_P(LoraTest, StepsWithoutAnAdapterLaunchWhatTheBaseDoes) {
+  Loaded l = Load(GetParam());
+  ASSERT_EQ(l.adapters.size(), 3u);
+  const ModelConfig& c = l.model->config();
+  std::vector<int32_t> tokens;
+  if (c.encoder_decoder) {
+    tokens = {c.decoder_start_token_id, 5};
+  } else {
+    tokens = testing::ReadHfReference(l.base).back().prompt;
+    tokens.push_back(5);
+  }
+  const std::vector<int32_t> input = c.encoder_decoder ? testing::ReadT5Reference(l.base).back().input : std::vector<int32_t>{};
+  // The base's blocks, and the adapted sequence's apart from them.
+  const std::vector<int32_t> tables[2] = {{0, 1, 2, 3}, {8, 9, 10, 11}}, cross[2] = {{4, 5, 6, 7}, {12, 13, 14, 15}};
+  auto step = [&](bool first, const LoraAdapter* adapter) {
+    SequenceStep s;
+    const int n = static_cast<int>(tokens.size()) - 1;
+    s.tokens = first ? absl::MakeConstSpan(tokens).subspan(0, n) : absl::MakeConstSpan(tokens).subspan(n, 1);
+    s.start_pos = first ? 0 : n;
+    s.block_table = tables[adapter != nullptr];
+    s.adapter = adapter;
+    if (c.encoder_decoder) {
+      s.encoder_len = static_cast<int>(input.size());
+      s.cross_block_table = cross[adapter != nullptr];
+      if (first) s.encoder_tokens = input;
+    }
+    return s;
+  };
+  auto with_lora = MakeBackend(l.model, 2);
+  auto plain = NewCudaBackend(l.model, KvCacheConfig{16, 128});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  // The adapters resident first.
+  for (const auto& a : {l.adapters[0].get(), l.adapters[1].get()}) {
+    SequenceStep s = step(true, a);
+    std::vector<float> ignored;
+    ASSERT_TRUE(ForwardLogits(*with_lora, {&s, 1}, &ignored).ok());
+  }
+  for (bool first : {true, false}) {
+    const std::string what = first ? "prefill" : "decode";
+    std::vector<float> got, want, adapted;
+    simt::Counters base_launches[2];
+    for (int i = 0; i < 2; ++i) {
+      Backend& be = i == 0 ? *with_lora : **plain;
+      SequenceStep s = step(first, nullptr);
+      // The decode graph is captured on its first step: count a replay.
+      if (!first) ASSERT_TRUE(ForwardLogits(be, {&s, 1}, i == 0 ? &got : &want).ok());
+      simt::ResetCounters();
+      ASSERT_TRUE(ForwardLogits(be, {&s, 1}, i == 0 ? &got : &want).ok());
+      base_launches[i] = simt::GetCounters();
+    }
+    EXPECT_EQ(base_launches[0].launches, base_launches[1].launches) << what;
+    EXPECT_EQ(base_launches[0].host_launches, base_launches[1].host_launches) << what;
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << what;
+    SequenceStep s = step(first, l.adapters[0].get());
+    if (!first) ASSERT_TRUE(ForwardLogits(*with_lora, {&s, 1}, &adapted).ok());
+    simt::ResetCounters();
+    ASSERT_TRUE(ForwardLogits(*with_lora, {&s, 1}, &adapted).ok());
+    EXPECT_GT(simt::GetCounters().launches, base_launches[0].launches) << what << ": the adapter's terms";
+    EXPECT_NE(std::memcmp(adapted.data(), got.data(), got.size() * sizeof(float)), 0) << what;
+  }
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Bases, LoraTest, ::testing::Values("t5", "t5-gated", "bloom", "mpt"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
@@ -392,9 +480,35 @@ TEST(LoraRefusalTest, EngineRefusesAdaptersWithoutSlots) {
   EngineConfig config;
   config.background_thread = false;
   config.adapters = l.adapters;
-  auto e = Engine::Create(l.model, Cpu(l.model, 2), *NewTokenizer(l.model->config(), l.model->dir()), config);
+  auto e = Engine::Create(l.model, MakeBackend(l.model, 2), *NewTokenizer(l.model->config(), l.model->dir()), config);
   ASSERT_FALSE(e.ok());
   EXPECT_THAT(e.status().message(), HasSubstr("max_loras"));
+}
+
+// A request names its adapter: an empty name, the first's included, or one registered twice is
+// refused when the engine is made.
+TEST(LoraRefusalTest, EngineRefusesEmptyAndRepeatedNames) {
+  if (CasesDir().empty()) GTEST_SKIP() << "no LoRA fixture";
+  Loaded l = Load("bloom");
+  ASSERT_EQ(l.adapters.size(), 3u);
+  auto unnamed = std::make_shared<LoraAdapter>(*l.adapters[0]);
+  unnamed->name.clear();
+  auto twin = std::make_shared<LoraAdapter>(*l.adapters[1]);
+  twin->name = l.adapters[0]->name;
+  for (const auto& [adapters, want] :
+       {std::pair{std::vector<std::shared_ptr<const LoraAdapter>>{unnamed, l.adapters[1]}, std::string("empty name")},
+        std::pair{std::vector<std::shared_ptr<const LoraAdapter>>{l.adapters[1], unnamed}, std::string("empty name")},
+        std::pair{std::vector<std::shared_ptr<const LoraAdapter>>{l.adapters[0], twin},
+                  "'" + l.adapters[0]->name + "' is registered twice"}}) {
+    EngineConfig config;
+    config.background_thread = false;
+    config.adapters = adapters;
+    config.scheduler.max_loras = 2;
+    auto e = Engine::Create(l.model, MakeBackend(l.model, 2), *NewTokenizer(l.model->config(), l.model->dir()), config);
+    ASSERT_FALSE(e.ok()) << want;
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(e.status().message(), HasSubstr(want));
+  }
 }
 
 }  // namespace

@@ -227,8 +227,9 @@ CudaBackend::StepShape CudaBackend::LargestStep() const {
 std::vector<std::pair<DeviceBuffer*, int64_t>> CudaBackend::StepBuffers(const StepShape& s) {
   const ModelConfig& c = model_->config();
   const int64_t d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
-  // Meta: 3 ints per decoder row, 2 more for its cross-attention, 6 per encoded row (RunSteps).
-  const int64_t meta = (c.encoder_decoder ? 5 : 3) * s.tokens + s.tables + s.kept + 6 * s.encoded + 2 * s.fed;
+  // Meta: 3 ints per decoder row, 2 more for its cross-attention, 6 per encoded row, and one per
+  // row of either for its LoRA slot (RunSteps).
+  const int64_t meta = (c.encoder_decoder ? 6 : 4) * s.tokens + s.tables + s.kept + 7 * s.encoded + 2 * s.fed;
   return {{&meta_, meta}, {&sample_, SampleBytes(s.queries, s.history) / 4},
           {&x_, s.tokens * d}, {&h_, s.tokens * d}, {&qkv_, 3 * s.tokens * w},
           {&att_, s.tokens * w}, {&up_, s.tokens * f},

@@ -1,8 +1,9 @@
 // The CUDA backend's class, shared by the files that implement it by job: cuda_backend.cc (Init,
 // the weights' upload, the step buffers, launching), cuda_step_inputs.cc (a step's rows packed and
-// uploaded), cuda_decoder.cc (the decoder's operations for WalkDecoder, the encoder), cuda_sampler.cc
-// (answering rows on the device) and cuda_graphs.cc (decode steps as CUDA graphs). Internal to
-// them: the engine sees cuda_backend.h only.
+// uploaded), cuda_decoder.cc (the decoder's operations for WalkDecoder, the encoder), cuda_lora.cc
+// (LoRA adapters' slots and terms), cuda_sampler.cc (answering rows on the device) and
+// cuda_graphs.cc (decode steps as CUDA graphs). Internal to them: the engine sees cuda_backend.h
+// only.
 #pragma once
 
 #include <cublas_v2.h>
@@ -80,6 +81,8 @@ struct DeviceMatrix {
   const float* f32 = nullptr;
   const uint16_t* bf16 = nullptr;
   const float* bias = nullptr;
+  // Its column in the LoRA table (ConfigureLora: every adaptable projection has one), or -1.
+  int lora = -1;
   // Where the matrix starts, in bytes, whichever its type (the fused QKV's layout).
   const char* bytes() const {
     return bf16 != nullptr ? reinterpret_cast<const char*>(bf16) : reinterpret_cast<const char*>(f32);
@@ -112,7 +115,7 @@ class CudaBackend final : public Backend, public LogitsForward {
     info.name = "cuda";
     info.device = DeviceName();
     info.kv_cache = kv_;
-    info.memory.weights = weight_bytes_;
+    info.memory.weights = weight_bytes_ + static_cast<int64_t>(lora_weights_.bytes + lora_table_.bytes);
     info.memory.kv_cache = kv_bytes_;
     for (const DeviceBuffer* b : {&x_, &h_, &qkv_, &att_, &up_, &gate_, &work_, &logits_d_, &meta_, &sample_, &x16_,
                                   &cublas_workspace_,
@@ -141,6 +144,7 @@ class CudaBackend final : public Backend, public LogitsForward {
   absl::Status Launch(absl::Span<const SequenceStep> steps, absl::Span<const RowQuery> queries) override;
   absl::Status Collect(std::vector<SampleResult>* results) override;
   bool asynchronous() const override { return true; }
+  absl::Status ConfigureLora(int max_loras, int max_rank) override;
   absl::Status Broken() const override { return broken_; }
 
  private:
@@ -165,6 +169,8 @@ class CudaBackend final : public Backend, public LogitsForward {
     bool tiled = false;
     const int32_t* tokens = nullptr;
     const int32_t* keep = nullptr;
+    // Each row's LoRA slot (-1: none); null where no row of the step has an adapter.
+    const int32_t* lora = nullptr;
     cuda::Rows rows, cross_rows;
   };
   // The decoder's work for `s`, from the embedding to the logits in logits_d_, enqueued on stream_.
@@ -176,7 +182,10 @@ class CudaBackend final : public Backend, public LogitsForward {
   void DropGraphs();
   // The inputs of `enc` (rows.keys: each row's input length), encoded; then every decoder layer's
   // cross-attention K/V of them written into the pool through `cross` (their cross block tables).
-  absl::Status Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross);
+  // `lora`: each encoded row's LoRA slot, or null.
+  absl::Status Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross,
+                      const int32_t* lora);
+  absl::Status EncodeLayers(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross);
   // The feed-forward block's body of layer `L` on `in` (x_ or h_, `rows` rows), its output added to x_.
   absl::Status Mlp(const DeviceLayer& L, const float* in, int rows);
   // The operations WalkDecoder (walk_decoder.h) calls for one step's Decoder.
@@ -244,6 +253,14 @@ class CudaBackend final : public Backend, public LogitsForward {
   // the residual add as the GEMM's beta, no launch of its own. Row-major through column-major cuBLAS.
   absl::Status Linear(const float* x, int rows, int in, const DeviceMatrix& m, int out, float* y, int act = -1,
                       bool residual = false);
+  // Linear without the rows' adapters.
+  absl::Status LinearBase(const float* x, int rows, int in, const DeviceMatrix& m, int out, float* y, int act = -1,
+                          bool residual = false);
+  // y [rows, out] += each row's adapter's term for `m` (lora_rows_), where the pass has adapters.
+  absl::Status ApplyLora(const float* x, int rows, int in, const DeviceMatrix& m, int out, float* y);
+  // The slot of each step's adapter (-1: none), loading the ones not resident into free or least
+  // recently used slots that this step does not use.
+  absl::StatusOr<std::vector<int>> LoraSlots(absl::Span<const SequenceStep> steps);
   // cuBLAS's y[z][rows, out] = alpha * x[rows, in] * W_z^T + beta * y[z] for z < batch, W_z the
   // matrix `m` (+ z * w_stride elements) as stored: float32 by SGEMM, or bf16 by GemmEx over x
   // rounded to bf16 (float32 sums, tensor cores). Row-major through column-major cuBLAS.
@@ -263,6 +280,8 @@ class CudaBackend final : public Backend, public LogitsForward {
   // projection); *written says whether they did, else they are in k(), v() for WriteKv.
   absl::Status Qkv(const float* x, int rows, const DeviceLayer& L, const cuda::KvPool* cache = nullptr,
                    const cuda::Rows* cache_rows = nullptr, bool* written = nullptr);
+  absl::Status QkvBase(const float* x, int rows, const DeviceLayer& L, const cuda::KvPool* cache,
+                       const cuda::Rows* cache_rows, bool* written);
   absl::Status Norm(const float* x, int rows, const DeviceNorm& n, float* y);
   // The encoder's relative term, as the CPU's: T5's signed buckets, or none (ResolveWeights).
   cuda::Relative EncoderRel(int layer) const;
@@ -326,8 +345,28 @@ class CudaBackend final : public Backend, public LogitsForward {
   Slot slots_[2];
   cudaEvent_t answered_[2] = {nullptr, nullptr};  // a slot's answers are on the host
   int64_t launched_ = 0, collected_ = 0;
-  std::unordered_map<int, cudaGraphExec_t> graphs_;  // decode rows -> its step's graph
+  std::unordered_map<int, cudaGraphExec_t> graphs_;  // 2 * decode rows (+ 1 with adapters) -> its graph
   int kept_ = 0;  // logits rows of the last step
+  // LoRA (ConfigureLora). Slot s holds one adapter's A and B, each projection's at a fixed place
+  // sized for max_rank (all allocated at configuration: loading an adapter only copies), and its
+  // column of the table [slot][projection] of cuda::LoraDesc, which the kernel reads per row.
+  struct LoraResident {
+    const LoraAdapter* adapter = nullptr;
+    uint64_t used = 0;  // the step that last used it
+  };
+  std::vector<LoraResident> lora_slots_;
+  struct LoraColumn {
+    int column = 0, in = 0, out = 0;
+  };
+  std::unordered_map<std::string, LoraColumn> lora_matrix_;  // by relgen matrix name
+  int lora_columns_ = 0, max_lora_rank_ = 0;
+  int64_t lora_slot_floats_ = 0;
+  std::vector<int64_t> lora_offset_;  // per column: its A's place in a slot (then B's)
+  std::vector<cuda::LoraDesc> lora_host_;
+  DeviceBuffer lora_weights_, lora_table_;
+  uint64_t lora_steps_ = 0;
+  // Each row's slot in the pass under way (the encoder's rows, then the decoder's); null: none.
+  const int32_t* lora_rows_ = nullptr;
 };
 
 }  // namespace cuda_backend

@@ -38,8 +38,18 @@ cudaError_t CudaBackend::Project(const float* x, int rows, int in, const DeviceM
   });
 }
 
-absl::Status CudaBackend::Linear(const float* x, int rows, int in, const DeviceMatrix& m, int out,
-                                 float* y, int act, bool residual) {
+absl::Status CudaBackend::Linear(const float* x, int rows, int in, const DeviceMatrix& m, int out, float* y,
+                                 int act, bool residual) {
+  if (lora_rows_ == nullptr || m.lora < 0) return LinearBase(x, rows, in, m, out, y, act, residual);
+  // The adapters' terms join before the activation, as in PEFT's model.
+  if (auto st = LinearBase(x, rows, in, m, out, y, -1, residual); !st.ok()) return st;
+  if (auto st = ApplyLora(x, rows, in, m, out, y); !st.ok()) return st;
+  if (act >= 0) RELGEN_CUDA_RETURN(cuda::BiasActivate(y, rows, out, nullptr, act, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LinearBase(const float* x, int rows, int in, const DeviceMatrix& m, int out,
+                                     float* y, int act, bool residual) {
   if (!options_.cublas_gemms) {
     RELGEN_CUDA_RETURN(Project(x, rows, in, m, out, m.bias, act, residual, 1.f, y));
     return absl::OkStatus();
@@ -69,9 +79,23 @@ absl::Status CudaBackend::Gemm(const float* x, int rows, int in, const DeviceMat
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Qkv(const float* x, int rows, const DeviceLayer& L,
-                              const cuda::KvPool* cache, const cuda::Rows* cache_rows,
-                              bool* written) {
+absl::Status CudaBackend::Qkv(const float* x, int rows, const DeviceLayer& L, const cuda::KvPool* cache,
+                              const cuda::Rows* cache_rows, bool* written) {
+  if (lora_rows_ == nullptr || (L.q.lora < 0 && L.k.lora < 0 && L.v.lora < 0)) {
+    return QkvBase(x, rows, L, cache, cache_rows, written);
+  }
+  // The adapters' terms join k and v before they go into the cache: the caller writes them.
+  if (written != nullptr) *written = false;
+  if (auto st = QkvBase(x, rows, L, nullptr, nullptr, nullptr); !st.ok()) return st;
+  const int d = model_->config().d_model, w = model_->config().qkv_width();
+  for (auto [m, out] : {std::pair{&L.q, q()}, std::pair{&L.k, k()}, std::pair{&L.v, v()}}) {
+    if (auto st = ApplyLora(x, rows, d, *m, w, out); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::QkvBase(const float* x, int rows, const DeviceLayer& L, const cuda::KvPool* cache,
+                                  const cuda::Rows* cache_rows, bool* written) {
   if (written != nullptr) *written = false;
   const ModelConfig& c = model_->config();
   const int d = c.d_model, w = c.qkv_width();
@@ -80,7 +104,7 @@ absl::Status CudaBackend::Qkv(const float* x, int rows, const DeviceLayer& L,
   const char* at = L.q.bytes();
   if (L.k.bytes() != at + wd * eb || L.v.bytes() != at + 2 * wd * eb) {
     for (auto [m, out] : {std::pair{&L.q, q()}, std::pair{&L.k, k()}, std::pair{&L.v, v()}}) {
-      if (auto s = Linear(x, rows, d, *m, w, out); !s.ok()) return s;
+      if (auto s = LinearBase(x, rows, d, *m, w, out); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
@@ -105,7 +129,7 @@ absl::Status CudaBackend::Qkv(const float* x, int rows, const DeviceLayer& L,
       return absl::OkStatus();
     }
     for (auto [m, out] : {std::pair{&L.q, q()}, std::pair{&L.k, k()}, std::pair{&L.v, v()}}) {
-      if (auto s = Linear(x, rows, d, *m, w, out); !s.ok()) return s;
+      if (auto s = LinearBase(x, rows, d, *m, w, out); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
@@ -140,7 +164,17 @@ absl::Status CudaBackend::Mlp(const DeviceLayer& L, const float* in, int rows) {
   return Linear(up_.f(), rows, f, L.down, d, x_.f(), -1, true);
 }
 
-absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross) {
+absl::Status CudaBackend::Encode(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross,
+                                 const int32_t* lora) {
+  // Every projection below, the cross-attention's K and V of the decoder layers too, runs under
+  // the adapter of the input's request.
+  lora_rows_ = lora;
+  const absl::Status st = EncodeLayers(ids, enc, max_len, cross);
+  lora_rows_ = nullptr;
+  return st;
+}
+
+absl::Status CudaBackend::EncodeLayers(const int32_t* ids, const cuda::Rows& enc, int max_len, const cuda::Rows& cross) {
   const ModelConfig& c = model_->config();
   const int d = c.d_model, w = c.qkv_width(), rows = enc.n;
   // As the CPU's encoder: the embedding, then per layer pre-norm self-attention and the
@@ -237,7 +271,10 @@ struct CudaBackend::DecoderOps {
 
 absl::Status CudaBackend::Decoder(const StepRows& s) {
   DecoderOps ops{*this, model_->config(), s};
-  return WalkDecoder(model_->config(), ops);
+  lora_rows_ = s.lora;
+  const absl::Status st = WalkDecoder(model_->config(), ops);
+  lora_rows_ = nullptr;
+  return st;
 }
 }  // namespace cuda_backend
 }  // namespace relgen

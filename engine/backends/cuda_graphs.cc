@@ -1,11 +1,13 @@
-// Decode steps as CUDA graphs, one captured per batch size.
+// Decode steps as CUDA graphs, one captured per batch size (and per whether a row has a LoRA adapter).
 #include "engine/backends/cuda_backend_impl.h"
 
 namespace relgen {
 namespace cuda_backend {
 
 absl::Status CudaBackend::DecodeGraph(StepRows s) {
-  auto it = graphs_.find(s.total);
+  // With adapters, a graph of its own: the same grids, and the LoRA launches between them.
+  const int key = 2 * s.total + (s.lora != nullptr ? 1 : 0);
+  auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     // Grids sized for the longest context: a split past a row's keys does nothing, and the
     // splits' boundaries do not depend on their count, so every step of s.total rows replays it.
@@ -19,7 +21,7 @@ absl::Status CudaBackend::DecodeGraph(StepRows s) {
     if (graph != nullptr) cudaGraphDestroy(graph);
     if (!captured.ok()) return captured;
     RELGEN_CUDA_RETURN(made);
-    it = graphs_.emplace(s.total, exec).first;
+    it = graphs_.emplace(key, exec).first;
   }
   RELGEN_CUDA_RETURN(cudaGraphLaunch(it->second, stream_));
   return absl::OkStatus();

@@ -12,6 +12,11 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   // Host-side metadata: tokens, each row's position and block-table offset, rows to keep.
   if (auto v = ValidateSteps(steps, c.vocab_size, c.max_seq_len, kv_, c.encoder_decoder); !v.ok()) return v;
   const bool enc_dec = c.encoder_decoder;
+  auto lora_slot = LoraSlots(steps);
+  if (!lora_slot.ok()) return lora_slot.status();
+  const bool lora = std::any_of(lora_slot->begin(), lora_slot->end(), [](int s) { return s >= 0; });
+  // With an adapter in the step: each decoder row's slot and each encoded row's (-1: none).
+  std::vector<int32_t> lora_rows, enc_lora;
   std::vector<int32_t> tokens, position, table_offset, tables, keep;
   // Encoder-decoder only. Per decoder row, its cross-attention: the position of the input's last
   // token (every encoder key visible, as cpu::AttentionDecode at encoder_len - 1) and the offset
@@ -22,8 +27,10 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   int max_keys = 1, max_input = 1, max_encoded = 1;
   std::vector<int32_t> feeds;  // (index into tokens, query of the previous launch) pairs
   const int fed_limit = launched_ > 0 ? slots_[slot() ^ 1].n : 0;
-  for (const SequenceStep& s : steps) {
+  for (size_t si = 0; si < steps.size(); ++si) {
+    const SequenceStep& s = steps[si];
     const int n = static_cast<int>(s.tokens.size());
+    if (lora) lora_rows.insert(lora_rows.end(), n, (*lora_slot)[si]);
     if (s.fed_query >= fed_limit) {
       return absl::InvalidArgumentError(absl::StrCat("a token fed from query ", s.fed_query,
                                                       " of the previous launch, which answered ", fed_limit));
@@ -59,6 +66,7 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
         enc_cross.push_back(cross);
         identity.push_back(first + i);
       }
+      if (lora) enc_lora.insert(enc_lora.end(), s.encoder_len, (*lora_slot)[si]);
       max_encoded = std::max(max_encoded, s.encoder_len);
     }
   }
@@ -67,11 +75,12 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   const int d = c.d_model, w = c.qkv_width();
   // Metadata in one upload: tokens | position | table_offset | keep, then (encoder-decoder)
   // cross_position | cross_offset | enc_ids | enc_position | enc_first | enc_len | enc_cross |
-  // identity, and last the block tables: every offset but the tables' length follows from the row
-  // counts alone, which a captured decode graph relies on.
+  // identity, then (with adapters) lora_rows | enc_lora, and last the block tables: every offset
+  // but the tables' length follows from the row counts alone, which a captured decode graph relies on.
   std::vector<int32_t> meta;
   for (const auto* v : {&tokens, &position, &table_offset, &keep, &cross_position, &cross_offset, &enc_ids,
-                        &enc_position, &enc_first, &enc_len, &enc_cross, &identity, &tables, &feeds}) {
+                        &enc_position, &enc_first, &enc_len, &enc_cross, &identity, &lora_rows, &enc_lora, &tables,
+                        &feeds}) {
     meta.insert(meta.end(), v->begin(), v->end());
   }
   StepShape shape;
@@ -104,7 +113,9 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
   step.tokens = meta_.i();
   step.keep = step.tokens + 3 * total;
   const int32_t* e = step.keep + kept + cross_position.size() + cross_offset.size();  // the encoded rows
-  const int32_t* d_tables = e + 6 * encoded;
+  const int32_t* d_lora = e + 6 * encoded;
+  const int32_t* d_tables = d_lora + lora_rows.size() + enc_lora.size();
+  if (lora) step.lora = d_lora;
   cuda::Rows& rows = step.rows;
   rows.n = total;
   rows.position = step.tokens + total;
@@ -125,7 +136,7 @@ absl::Status CudaBackend::RunSteps(absl::Span<const SequenceStep> steps, std::ve
     write.keys = nullptr;
     write.table_offset = e + 4 * encoded;
     write.block_tables = d_tables;
-    if (auto s = Encode(e, enc, max_encoded, write); !s.ok()) return s;
+    if (auto s = Encode(e, enc, max_encoded, write, lora ? d_lora + total : nullptr); !s.ok()) return s;
   }
   step.tiled = total > static_cast<int>(steps.size());
   if (auto s = decode && options_.graphs ? DecodeGraph(step) : Decoder(step); !s.ok()) return s;

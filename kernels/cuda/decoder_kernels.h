@@ -111,6 +111,21 @@ cudaError_t LinearMma(const float* x, int rows, int in, const uint16_t* w, int o
 cudaError_t QkvToCacheMma(const float* x, int rows, int in, const uint16_t* w, int width, const float* bias, float* q,
                           const KvPool& kv, const Rows& kv_rows, cudaStream_t stream, float* workspace = nullptr,
                           unsigned* tickets = nullptr);
+// One resident LoRA adapter's matrices for one projection (device pointers; rank 0 where that
+// adapter does not adapt it), as PEFT's LoRA Linear: y += scale * (x A^T) B^T.
+constexpr int kLoraMaxRank = 256;
+struct LoraDesc {
+  const float* a = nullptr;  // [rank, in]
+  const float* b = nullptr;  // [out, rank]
+  int rank = 0;              // at most kLoraMaxRank
+  float scale = 0.f;
+};
+// y[r, :] (row-major [rows, out]) += each row's adapter's term, its adapter descs[slot[r] *
+// desc_stride]; a row with slot[r] < 0 or an adapter of rank 0 here is left as it is. One launch
+// for every adapter of a step; a row's bits depend on its input and its adapter alone (batch
+// invariant). x [rows, in] float32.
+cudaError_t LoraAdd(const float* x, int rows, int in, int out, const LoraDesc* descs, int desc_stride,
+                    const int32_t* slot, float* y, cudaStream_t stream);
 // x = act(x) * gate (cpu::ActivateGated).
 cudaError_t ActivateGated(int activation, float* x, const float* gate, int64_t n, cudaStream_t stream);
 // y += x (cpu::AddInPlace).
