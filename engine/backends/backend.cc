@@ -60,4 +60,40 @@ int RowsOf(absl::Span<const SequenceStep> steps) {
   return rows;
 }
 
+absl::StatusOr<std::vector<int>> LoraResidency::Assign(
+    absl::Span<const SequenceStep> steps, const std::function<absl::Status(int, const LoraAdapter&)>& load) {
+  ++step_;
+  std::vector<int> slot(steps.size(), -1);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const LoraAdapter* a = steps[i].adapter;
+    if (a == nullptr) continue;
+    if (held_.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("a step names LoRA adapter '", a->name, "', and this backend has no LoRA slots (ConfigureLora)"));
+    }
+    int s = -1;
+    for (size_t j = 0; j < held_.size() && s < 0; ++j) s = held_[j].adapter == a ? static_cast<int>(j) : -1;
+    if (s < 0) {
+      for (size_t j = 0; j < held_.size(); ++j) {
+        if (held_[j].used == step_) continue;  // another adapter of this step
+        if (held_[j].adapter == nullptr) {
+          s = static_cast<int>(j);
+          break;
+        }
+        if (s < 0 || held_[j].used < held_[s].used) s = static_cast<int>(j);
+      }
+      if (s < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("a step names more LoRA adapters than the ", held_.size(),
+                                                       " resident slots (max_loras)"));
+      }
+      held_[s].adapter = nullptr;
+      if (absl::Status st = load(s, *a); !st.ok()) return st;
+      held_[s].adapter = a;
+    }
+    held_[s].used = step_;
+    slot[i] = s;
+  }
+  return slot;
+}
+
 }  // namespace relgen

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -97,6 +98,29 @@ class Backend {
   virtual absl::Status ConfigureLora(int max_loras, int max_rank) {
     return absl::UnimplementedError("this backend does not apply LoRA adapters");
   }
+};
+
+// Which LoRA adapter each of a backend's resident slots holds and the step that last used it: the
+// least-recently-used choice both backends make.
+class LoraResidency {
+ public:
+  void Reset(int slots) { held_.assign(slots, Held{}); }
+  // Starts a step: the slot of each step's adapter (-1: none). An adapter not resident takes a free
+  // slot, else the least recently used one that no adapter of this step holds, and `load(slot,
+  // adapter)` fills it (the slot is empty if that fails). A step naming more adapters than there
+  // are slots is refused.
+  absl::StatusOr<std::vector<int>> Assign(absl::Span<const SequenceStep> steps,
+                                          const std::function<absl::Status(int, const LoraAdapter&)>& load);
+  // Whether slot `s` serves the step Assign last started.
+  bool InStep(int s) const { return held_[s].used == step_; }
+
+ private:
+  struct Held {
+    const LoraAdapter* adapter = nullptr;
+    uint64_t used = 0;  // the step that last used it
+  };
+  std::vector<Held> held_;
+  uint64_t step_ = 0;
 };
 
 }  // namespace relgen

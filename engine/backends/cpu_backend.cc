@@ -190,6 +190,7 @@ class CpuBackend final : public Backend, public LogitsForward {
     }
     slots_.clear();
     slots_.resize(max_loras);
+    residency_.Reset(max_loras);
     lora_scratch_.assign(max_loras, LoraScratch{});
     return absl::OkStatus();
   }
@@ -284,12 +285,9 @@ class CpuBackend final : public Backend, public LogitsForward {
     float scale = 0;
   };
   struct LoraSlot {
-    const LoraAdapter* adapter = nullptr;
-    uint64_t used = 0;  // the Forward that last used it
     std::unordered_map<const cpu::PackedMatrix*, LoraPacked> of;
   };
-  // The slot of each step's adapter (-1: none), loading the ones not resident into free or least
-  // recently used slots that this Forward does not use.
+  // The slot of each step's adapter (-1: none), loading the ones not resident (residency_).
   absl::StatusOr<std::vector<int>> LoraSlots(absl::Span<const SequenceStep> steps);
   // Each row's slot for the rows of the pass about to run: per step `slot`, rows[i] on.
   void SetLoraRows(const std::vector<int>& slot, const std::vector<int>& first, const std::vector<int>& count, int total);
@@ -331,7 +329,7 @@ class CpuBackend final : public Backend, public LogitsForward {
   HostLaunch launch_;
   std::unordered_map<std::string, const cpu::PackedMatrix*> projection_of_;
   std::vector<LoraSlot> slots_;  // ConfigureLora's max_loras
-  uint64_t forwards_ = 0;
+  LoraResidency residency_;
   int lora_total_ = 0;  // rows of the pass under way where some have an adapter, else 0
   struct LoraScratch {
     std::vector<int> rows;  // the slot's rows in the pass under way
@@ -341,46 +339,22 @@ class CpuBackend final : public Backend, public LogitsForward {
 };
 
 absl::StatusOr<std::vector<int>> CpuBackend::LoraSlots(absl::Span<const SequenceStep> steps) {
-  ++forwards_;
-  std::vector<int> slot(steps.size(), -1);
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const LoraAdapter* a = steps[i].adapter;
-    if (a == nullptr) continue;
-    int s = -1;
-    for (size_t j = 0; j < slots_.size() && s < 0; ++j) s = slots_[j].adapter == a ? static_cast<int>(j) : -1;
-    if (s < 0) {
-      for (size_t j = 0; j < slots_.size(); ++j) {
-        if (slots_[j].used == forwards_) continue;  // another adapter of this step
-        if (slots_[j].adapter == nullptr) {
-          s = static_cast<int>(j);
-          break;
-        }
-        if (s < 0 || slots_[j].used < slots_[s].used) s = static_cast<int>(j);
+  return residency_.Assign(steps, [this](int s, const LoraAdapter& a) {
+    LoraSlot fresh;
+    for (const auto& [name, w] : a.targets) {
+      auto p = projection_of_.find(name);
+      if (p == projection_of_.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("adapter '", a.name, "' adapts ", name, ", which this model lacks"));
       }
-      if (s < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("a step names more LoRA adapters than the ", slots_.size(),
-                                                       " resident slots (max_loras)"));
-      }
-      LoraSlot fresh;
-      fresh.adapter = a;
-      for (const auto& [name, w] : a->targets) {
-        auto p = projection_of_.find(name);
-        if (p == projection_of_.end() || p->second->n() != w.out || p->second->k() != w.in) {
-          return absl::InvalidArgumentError(absl::StrCat("adapter '", a->name, "' adapts ", name,
-                                                         ", which this model does not have in that shape"));
-        }
-        LoraPacked lp;
-        lp.a = cpu::PackedMatrix(w.a.data(), w.rank, w.in);
-        lp.b = cpu::PackedMatrix(w.b.data(), w.out, w.rank);
-        lp.scale = w.scale;
-        fresh.of.emplace(p->second, std::move(lp));
-      }
-      slots_[s] = std::move(fresh);
+      LoraPacked lp;
+      lp.a = cpu::PackedMatrix(w.a.data(), w.rank, w.in);
+      lp.b = cpu::PackedMatrix(w.b.data(), w.out, w.rank);
+      lp.scale = w.scale;
+      fresh.of.emplace(p->second, std::move(lp));
     }
-    slots_[s].used = forwards_;
-    slot[i] = s;
-  }
-  return slot;
+    slots_[s] = std::move(fresh);
+    return absl::OkStatus();
+  });
 }
 
 void CpuBackend::SetLoraRows(const std::vector<int>& slot, const std::vector<int>& first, const std::vector<int>& count,
@@ -407,7 +381,7 @@ void CpuBackend::ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w,
   std::vector<Work> work;
   for (size_t s = 0; s < slots_.size(); ++s) {
     const LoraSlot& slot = slots_[s];
-    if (slot.used != forwards_) continue;
+    if (!residency_.InStep(static_cast<int>(s))) continue;
     auto it = slot.of.find(&w);
     if (it == slot.of.end()) continue;
     LoraScratch& sc = lora_scratch_[s];

@@ -258,9 +258,10 @@ class CudaBackend final : public Backend, public LogitsForward {
                           bool residual = false);
   // y [rows, out] += each row's adapter's term for `m` (lora_rows_), where the pass has adapters.
   absl::Status ApplyLora(const float* x, int rows, int in, const DeviceMatrix& m, int out, float* y);
-  // The slot of each step's adapter (-1: none), loading the ones not resident into free or least
-  // recently used slots that this step does not use.
+  // The slot of each step's adapter (-1: none), loading the ones not resident (lora_residency_).
   absl::StatusOr<std::vector<int>> LoraSlots(absl::Span<const SequenceStep> steps);
+  // Adapter `a` into slot `s`: its matrices and its column of the table, copied.
+  absl::Status LoadLora(int s, const LoraAdapter& a);
   // cuBLAS's y[z][rows, out] = alpha * x[rows, in] * W_z^T + beta * y[z] for z < batch, W_z the
   // matrix `m` (+ z * w_stride elements) as stored: float32 by SGEMM, or bf16 by GemmEx over x
   // rounded to bf16 (float32 sums, tensor cores). Row-major through column-major cuBLAS.
@@ -350,11 +351,8 @@ class CudaBackend final : public Backend, public LogitsForward {
   // LoRA (ConfigureLora). Slot s holds one adapter's A and B, each projection's at a fixed place
   // sized for max_rank (all allocated at configuration: loading an adapter only copies), and its
   // column of the table [slot][projection] of cuda::LoraDesc, which the kernel reads per row.
-  struct LoraResident {
-    const LoraAdapter* adapter = nullptr;
-    uint64_t used = 0;  // the step that last used it
-  };
-  std::vector<LoraResident> lora_slots_;
+  LoraResidency lora_residency_;
+  int lora_slots_ = 0;
   struct LoraColumn {
     int column = 0, in = 0, out = 0;
   };
@@ -364,7 +362,6 @@ class CudaBackend final : public Backend, public LogitsForward {
   std::vector<int64_t> lora_offset_;  // per column: its A's place in a slot (then B's)
   std::vector<cuda::LoraDesc> lora_host_;
   DeviceBuffer lora_weights_, lora_table_;
-  uint64_t lora_steps_ = 0;
   // Each row's slot in the pass under way (the encoder's rows, then the decoder's); null: none.
   const int32_t* lora_rows_ = nullptr;
 };

@@ -15,7 +15,7 @@ absl::Status CudaBackend::ConfigureLora(int max_loras, int max_rank) {
                                                    "; max_loras must be >= 1 and max_lora_rank within 1..",
                                                    cuda::kLoraMaxRank));
   }
-  if (!lora_slots_.empty()) return absl::FailedPreconditionError("LoRA slots are configured already");
+  if (lora_slots_ > 0) return absl::FailedPreconditionError("LoRA slots are configured already");
   RELGEN_CUDA_RETURN(cudaSetDevice(device_));
   const ModelConfig& c = model_->config();
   const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
@@ -55,67 +55,42 @@ absl::Status CudaBackend::ConfigureLora(int max_loras, int max_rank) {
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(lora_table_.ptr, lora_host_.data(), lora_host_.size() * sizeof(cuda::LoraDesc),
                                      cudaMemcpyHostToDevice, stream_));
   RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
-  lora_slots_.assign(max_loras, LoraResident{});
+  lora_slots_ = max_loras;
+  lora_residency_.Reset(max_loras);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<int>> CudaBackend::LoraSlots(absl::Span<const SequenceStep> steps) {
-  ++lora_steps_;
-  std::vector<int> slot(steps.size(), -1);
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const LoraAdapter* a = steps[i].adapter;
-    if (a == nullptr) continue;
-    if (lora_slots_.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("a step names LoRA adapter '", a->name, "', and this backend has no LoRA slots (ConfigureLora)"));
+  return lora_residency_.Assign(steps, [this](int s, const LoraAdapter& a) { return LoadLora(s, a); });
+}
+
+// The copies land after every launch enqueued before them, so a step still in flight that used
+// this slot's last adapter reads it whole.
+absl::Status CudaBackend::LoadLora(int s, const LoraAdapter& a) {
+  cuda::LoraDesc* column = lora_host_.data() + int64_t{s} * lora_columns_;
+  std::fill_n(column, lora_columns_, cuda::LoraDesc{});
+  float* const slot_at = lora_weights_.f() + s * lora_slot_floats_;
+  for (const auto& [name, lw] : a.targets) {
+    auto m = lora_matrix_.find(name);
+    // The loader checked each shape against the base; a slot's places are sized by the same, and a
+    // mismatch here would write past them.
+    if (m == lora_matrix_.end() || m->second.in != lw.in || m->second.out != lw.out || lw.rank > max_lora_rank_) {
+      return absl::InvalidArgumentError(absl::StrCat("adapter '", a.name, "' adapts ", name, " at rank ", lw.rank,
+                                                     ", which this backend's LoRA slots do not hold"));
     }
-    int s = -1;
-    for (size_t j = 0; j < lora_slots_.size() && s < 0; ++j) s = lora_slots_[j].adapter == a ? static_cast<int>(j) : -1;
-    if (s < 0) {
-      for (size_t j = 0; j < lora_slots_.size(); ++j) {
-        if (lora_slots_[j].used == lora_steps_) continue;  // another adapter of this step
-        if (lora_slots_[j].adapter == nullptr) {
-          s = static_cast<int>(j);
-          break;
-        }
-        if (s < 0 || lora_slots_[j].used < lora_slots_[s].used) s = static_cast<int>(j);
-      }
-      if (s < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("a step names more LoRA adapters than the ", lora_slots_.size(),
-                                                       " resident slots (max_loras)"));
-      }
-      // The copies land after every launch enqueued before them, so a step still in flight that
-      // used this slot's last adapter reads it whole; the slot is empty until they are all made.
-      lora_slots_[s].adapter = nullptr;
-      cuda::LoraDesc* column = lora_host_.data() + int64_t{s} * lora_columns_;
-      std::fill_n(column, lora_columns_, cuda::LoraDesc{});
-      float* const slot_at = lora_weights_.f() + s * lora_slot_floats_;
-      for (const auto& [name, lw] : a->targets) {
-        auto m = lora_matrix_.find(name);
-        // The loader checked each shape against the base; a slot's places are sized by the same.
-        if (m == lora_matrix_.end() || m->second.in != lw.in || m->second.out != lw.out || lw.rank > max_lora_rank_) {
-          return absl::InvalidArgumentError(absl::StrCat("adapter '", a->name, "' adapts ", name, " at rank ", lw.rank,
-                                                         ", which this backend's LoRA slots do not hold"));
-        }
-        float* const at = slot_at + lora_offset_[m->second.column];
-        const int64_t a_floats = int64_t{lw.rank} * lw.in;
-        RELGEN_CUDA_RETURN(cudaMemcpyAsync(at, lw.a.data(), a_floats * sizeof(float), cudaMemcpyHostToDevice, stream_));
-        RELGEN_CUDA_RETURN(cudaMemcpyAsync(at + a_floats, lw.b.data(), lw.b.size() * sizeof(float),
-                                           cudaMemcpyHostToDevice, stream_));
-        column[m->second.column] = cuda::LoraDesc{at, at + a_floats, lw.rank, lw.scale};
-      }
-      RELGEN_CUDA_RETURN(cudaMemcpyAsync(static_cast<cuda::LoraDesc*>(lora_table_.ptr) + int64_t{s} * lora_columns_,
-                                         column, lora_columns_ * sizeof(cuda::LoraDesc), cudaMemcpyHostToDevice,
-                                         stream_));
-      // The table's host column is rewritten by the next load into this slot: wait until it is up
-      // (loads are rare, a step's adapters mostly resident).
-      RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
-      lora_slots_[s].adapter = a;
-    }
-    lora_slots_[s].used = lora_steps_;
-    slot[i] = s;
+    float* const at = slot_at + lora_offset_[m->second.column];
+    const int64_t a_floats = int64_t{lw.rank} * lw.in;
+    RELGEN_CUDA_RETURN(cudaMemcpyAsync(at, lw.a.data(), a_floats * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    RELGEN_CUDA_RETURN(
+        cudaMemcpyAsync(at + a_floats, lw.b.data(), lw.b.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    column[m->second.column] = cuda::LoraDesc{at, at + a_floats, lw.rank, lw.scale};
   }
-  return slot;
+  RELGEN_CUDA_RETURN(cudaMemcpyAsync(static_cast<cuda::LoraDesc*>(lora_table_.ptr) + int64_t{s} * lora_columns_, column,
+                                     lora_columns_ * sizeof(cuda::LoraDesc), cudaMemcpyHostToDevice, stream_));
+  // The table's host column is rewritten by the next load into this slot: wait until it is up
+  // (loads are rare, a step's adapters mostly resident).
+  RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::ApplyLora(const float* x, int rows, int in, const DeviceMatrix& m, int out, float* y) {
