@@ -102,6 +102,8 @@ BUDGETS = {
     "FeedTokensKernel": Budget(threads=256, regs=32),  # 100%
     # kernels/cuda/relpos_device.cu
     "RelIndexKernel": Budget(threads=256, regs=32),  # 100% (16x16 blocks)
+    # kernels/cuda/lora.cu: 100%: 8 blocks x 8 warps (a block per row and range of 256 outputs)
+    "LoraAddKernel": Budget(threads=256, regs=32),
 }
 
 ARCHS = ("80", "90")  # A100 and H100; the build itself targets CMAKE_CUDA_ARCHITECTURES (90)
