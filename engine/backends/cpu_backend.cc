@@ -336,6 +336,12 @@ class CpuBackend final : public Backend, public LogitsForward {
     std::vector<float> x, t, u;  // gathered inputs, x A^T, (x A^T) B^T
   };
   std::vector<LoraScratch> lora_scratch_;  // per slot
+  struct LoraWork {
+    const LoraPacked* lp;
+    std::vector<int>* rows;
+    LoraScratch* scratch;
+  };
+  std::vector<LoraWork> lora_work_;  // one projection's adapters (ApplyLora), kept for its capacity
 };
 
 absl::StatusOr<std::vector<int>> CpuBackend::LoraSlots(absl::Span<const SequenceStep> steps) {
@@ -373,12 +379,8 @@ void CpuBackend::ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w,
   if (lora_total_ != rows) return;  // no adapter in the pass, or not its rows (the LM head's)
   const int k = w.k(), n = w.n();
   // The adapters of this step that adapt w, and their rows.
-  struct Work {
-    const LoraPacked* lp;
-    std::vector<int>* rows;
-    LoraScratch* scratch;
-  };
-  std::vector<Work> work;
+  std::vector<LoraWork>& work = lora_work_;
+  work.clear();
   for (size_t s = 0; s < slots_.size(); ++s) {
     const LoraSlot& slot = slots_[s];
     if (!residency_.InStep(static_cast<int>(s))) continue;
@@ -389,7 +391,7 @@ void CpuBackend::ApplyLora(const float* x, int rows, const cpu::PackedMatrix& w,
   }
   // One adapter's rows: gathered, through A and B, scaled into y (rows of different adapters are
   // disjoint, so adapters may run at once).
-  auto apply = [&](const Work& wk, cpu::ThreadPool* pool) {
+  auto apply = [&](const LoraWork& wk, cpu::ThreadPool* pool) {
     const int m = static_cast<int>(wk.rows->size()), rank = wk.lp->a.n();
     LoraScratch& sc = *wk.scratch;
     sc.x.resize(int64_t{m} * k);

@@ -352,15 +352,14 @@ class CudaBackend final : public Backend, public LogitsForward {
   // sized for max_rank (all allocated at configuration: loading an adapter only copies), and its
   // column of the table [slot][projection] of cuda::LoraDesc, which the kernel reads per row.
   LoraResidency lora_residency_;
-  int lora_slots_ = 0;
   struct LoraColumn {
     int column = 0, in = 0, out = 0;
+    int64_t offset = 0;  // its A's place in a slot, in floats (then B's)
   };
   std::unordered_map<std::string, LoraColumn> lora_matrix_;  // by relgen matrix name
   int lora_columns_ = 0, max_lora_rank_ = 0;
   int64_t lora_slot_floats_ = 0;
-  std::vector<int64_t> lora_offset_;  // per column: its A's place in a slot (then B's)
-  std::vector<cuda::LoraDesc> lora_host_;
+  std::vector<cuda::LoraDesc> lora_host_;  // [slot][column]; empty until ConfigureLora
   DeviceBuffer lora_weights_, lora_table_;
   // Each row's slot in the pass under way (the encoder's rows, then the decoder's); null: none.
   const int32_t* lora_rows_ = nullptr;

@@ -15,11 +15,13 @@ absl::Status CudaBackend::ConfigureLora(int max_loras, int max_rank) {
                                                    "; max_loras must be >= 1 and max_lora_rank within 1..",
                                                    cuda::kLoraMaxRank));
   }
-  if (lora_slots_ > 0) return absl::FailedPreconditionError("LoRA slots are configured already");
+  if (!lora_host_.empty()) return absl::FailedPreconditionError("LoRA slots are configured already");
   RELGEN_CUDA_RETURN(cudaSetDevice(device_));
   const ModelConfig& c = model_->config();
   const int d = c.d_model, w = c.qkv_width(), f = c.ffn_dim;
   // Every projection an adapter may adapt gets a column; its place in a slot is sized for max_rank.
+  lora_columns_ = 0;
+  lora_matrix_.clear();
   int64_t floats = 0;
   auto columns = [&](const std::string& stack, std::vector<DeviceLayer>& layers) {
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -32,8 +34,7 @@ absl::Status CudaBackend::ConfigureLora(int max_loras, int max_rank) {
                                         {"cross.v", &L.cv, d, w}, {"cross.o", &L.co, w, d}}) {
         if (m->f32 == nullptr && m->bf16 == nullptr) continue;
         m->lora = lora_columns_++;
-        lora_matrix_[absl::StrCat(p, suffix, ".weight")] = {m->lora, in, out};
-        lora_offset_.push_back(floats);
+        lora_matrix_[absl::StrCat(p, suffix, ".weight")] = {m->lora, in, out, floats};
         floats += int64_t{max_rank} * (in + out);
       }
     }
@@ -55,7 +56,6 @@ absl::Status CudaBackend::ConfigureLora(int max_loras, int max_rank) {
   RELGEN_CUDA_RETURN(cudaMemcpyAsync(lora_table_.ptr, lora_host_.data(), lora_host_.size() * sizeof(cuda::LoraDesc),
                                      cudaMemcpyHostToDevice, stream_));
   RELGEN_CUDA_RETURN(cudaStreamSynchronize(stream_));
-  lora_slots_ = max_loras;
   lora_residency_.Reset(max_loras);
   return absl::OkStatus();
 }
@@ -78,7 +78,7 @@ absl::Status CudaBackend::LoadLora(int s, const LoraAdapter& a) {
       return absl::InvalidArgumentError(absl::StrCat("adapter '", a.name, "' adapts ", name, " at rank ", lw.rank,
                                                      ", which this backend's LoRA slots do not hold"));
     }
-    float* const at = slot_at + lora_offset_[m->second.column];
+    float* const at = slot_at + m->second.offset;
     const int64_t a_floats = int64_t{lw.rank} * lw.in;
     RELGEN_CUDA_RETURN(cudaMemcpyAsync(at, lw.a.data(), a_floats * sizeof(float), cudaMemcpyHostToDevice, stream_));
     RELGEN_CUDA_RETURN(
