@@ -26,6 +26,15 @@ RELGEN_BF16_PANELS(bf16amx_emulated)
 #undef RELGEN_BF16_PANELS
 namespace {
 
+// Full unrolling of the micro-kernel's loops over its register arrays (see Micro). GCC only:
+// clang unrolls these constant loops itself, and under the sanitizers the pragma made clang take
+// over ten minutes on this file.
+#if defined(__GNUC__) && !defined(__clang__)
+#define RELGEN_UNROLL _Pragma("GCC unroll 64")
+#else
+#define RELGEN_UNROLL
+#endif
+
 constexpr int kP = PackedMatrix::kPanel;
 constexpr int kRowChunk = 128;  // rows per pass over the weights (keeps x in cache)
 constexpr int kStageRows = 8;   // bf16 panels are widened once for this many rows or more
@@ -78,20 +87,20 @@ __attribute__((always_inline)) inline void Micro(const float* x, int ldx, const 
   constexpr int Lp = kP / kLanes;
   constexpr int L = P * Lp;
   V acc[R][L];
-  #pragma GCC unroll 64
+  RELGEN_UNROLL
   for (int r = 0; r < R; ++r) {
-    #pragma GCC unroll 64
+    RELGEN_UNROLL
     for (int l = 0; l < L; ++l) acc[r][l] = V{};
   }
   if constexpr (std::is_same_v<T, float>) {
     for (int kk = 0; kk < k; ++kk) {
       V wk[L];
-      #pragma GCC unroll 64
+      RELGEN_UNROLL
       for (int l = 0; l < L; ++l) LoadRow(panel + (l / Lp) * pstride, kk, (l % Lp) * kLanes, wk[l]);
-      #pragma GCC unroll 64
+      RELGEN_UNROLL
       for (int r = 0; r < R; ++r) {
         const float xr = x[r * ldx + kk];
-        #pragma GCC unroll 64
+        RELGEN_UNROLL
         for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
       }
     }
@@ -101,30 +110,29 @@ __attribute__((always_inline)) inline void Micro(const float* x, int ldx, const 
     using U = typename Narrow<kLanes>::U;
     for (int kk = 0; kk < k; kk += 2) {
       U pair[L];
-      #pragma GCC unroll 64
+      RELGEN_UNROLL
       for (int l = 0; l < L; ++l) {
         std::memcpy(&pair[l], panel + (l / Lp) * pstride + static_cast<int64_t>(kk / 2) * (2 * kP) + 2 * (l % Lp) * kLanes,
                     sizeof(U));
       }
-      #pragma GCC unroll 64
+      RELGEN_UNROLL
       for (int h = 0; h < 2; ++h) {
         if (kk + h == k) break;  // an odd k's last pair has one row
         V wk[L];
-        #pragma GCC unroll 64
+        RELGEN_UNROLL
         for (int l = 0; l < L; ++l) {
           const U u = h == 0 ? pair[l] << 16 : pair[l] & 0xffff0000u;
           std::memcpy(&wk[l], &u, sizeof(V));
         }
-        #pragma GCC unroll 64
+        RELGEN_UNROLL
         for (int r = 0; r < R; ++r) {
           const float xr = x[r * ldx + kk + h];
-          #pragma GCC unroll 64
+          RELGEN_UNROLL
           for (int l = 0; l < L; ++l) acc[r][l] += xr * wk[l];
         }
       }
     }
   }
-  #pragma GCC unroll 64
   for (int r = 0; r < R; ++r) {
     float* yr = y + static_cast<int64_t>(r) * ldy;
     for (int c = 0; c < ncols; ++c) {
