@@ -27,8 +27,7 @@ RELGEN_BF16_PANELS(bf16amx_emulated)
 namespace {
 
 // Full unrolling of the micro-kernel's loops over its register arrays (see Micro). GCC only:
-// clang unrolls these constant loops itself, and under the sanitizers the pragma made clang take
-// over ten minutes on this file.
+// clang unrolls these constant loops itself.
 #if defined(__GNUC__) && !defined(__clang__)
 #define RELGEN_UNROLL _Pragma("GCC unroll 64")
 #else
