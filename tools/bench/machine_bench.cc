@@ -88,6 +88,20 @@ int RunMachineBench(const MachineOptions& o) {
   std::vector<std::vector<double>> bw(sizes.size());
   std::vector<double> peak;
   float sink = 0;
+  // The GEMM on a prefill's shape (128 rows of a 1024-wide model into its 4096-wide MLP), each weight
+  // type, right after the FMA probe of the same repetition: on a shared machine the peak moves by
+  // tens of percent between minutes, so the kernel's share of it is taken pair by pair.
+  constexpr int kGemmRows = 128, kGemmK = 1024, kGemmN = 4096;
+  const cpu::WeightType gemm_types[] = {cpu::WeightType::kF32, cpu::WeightType::kBf16};
+  std::vector<cpu::PackedMatrix> gemm_w;
+  std::vector<float> gemm_x(size_t{kGemmRows} * kGemmK), gemm_y(size_t{kGemmRows} * kGemmN);
+  {
+    std::vector<float> w(size_t{kGemmN} * kGemmK);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(int(i * 2654435761u % 2001) - 1000) * 1e-4f;
+    for (size_t i = 0; i < gemm_x.size(); ++i) gemm_x[i] = static_cast<float>(int(i * 40503u % 2001) - 1000) * 1e-3f;
+    for (cpu::WeightType t : gemm_types) gemm_w.emplace_back(w.data(), kGemmN, kGemmK, t);
+  }
+  std::vector<std::vector<double>> gemm(gemm_w.size()), gemm_share(gemm_w.size());
   for (int rep = 0; rep < o.reps; ++rep) {
     for (size_t s = 0; s < sizes.size(); ++s) {
       const size_t slice = sizes[s] / threads / sizeof(float) / 32 * 32;
@@ -117,6 +131,15 @@ int RunMachineBench(const MachineOptions& o) {
       peak.push_back(2.0 * 8 * 12 * double(iters) * threads / Since(t0));
       for (double x : part) sink += static_cast<float>(x);
     }
+    for (size_t g = 0; g < gemm_w.size(); ++g) {
+      cpu::LinearPacked(gemm_x.data(), kGemmRows, gemm_w[g], nullptr, gemm_y.data(), &pool);  // warm
+      constexpr int kPasses = 8;
+      const auto t0 = Clock::now();
+      for (int p = 0; p < kPasses; ++p) cpu::LinearPacked(gemm_x.data(), kGemmRows, gemm_w[g], nullptr, gemm_y.data(), &pool);
+      gemm[g].push_back(2.0 * kGemmRows * kGemmK * kGemmN * kPasses / Since(t0));
+      if (!peak.empty()) gemm_share[g].push_back(gemm[g].back() / peak.back());
+      sink += gemm_y[0];
+    }
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -136,10 +159,26 @@ int RunMachineBench(const MachineOptions& o) {
     std::printf("FMA peak (12 register chains, 8-lane FMA): %.1f GFLOP/s [%.1f-%.1f]\n", peak_median / 1e9, *lo / 1e9,
                 *hi / 1e9);
   }
+  json gemm_json = json::array();
+  for (size_t g = 0; g < gemm_w.size(); ++g) {
+    const auto [lo, hi] = std::minmax_element(gemm[g].begin(), gemm[g].end());
+    std::printf("GEMM, %s weights (%s), %d x %d -> %d: %.1f GFLOP/s [%.1f-%.1f]", cpu::WeightTypeName(gemm_types[g]),
+                cpu::GemmPathName(gemm_types[g], false).c_str(), kGemmRows, kGemmK, kGemmN, median(gemm[g]) / 1e9,
+                *lo / 1e9, *hi / 1e9);
+    if (!gemm_share[g].empty()) {
+      const auto [slo, shi] = std::minmax_element(gemm_share[g].begin(), gemm_share[g].end());
+      std::printf(", %.0f%% [%.0f-%.0f%%] of the FMA peak of its repetition", 100 * median(gemm_share[g]), 100 * *slo,
+                  100 * *shi);
+    }
+    std::printf("\n");
+    gemm_json.push_back({{"weights", cpu::WeightTypeName(gemm_types[g])}, {"rows", kGemmRows}, {"k", kGemmK},
+                         {"n", kGemmN}, {"flops_samples", gemm[g]}, {"share_of_peak_samples", gemm_share[g]}});
+  }
   if (sink == 12345.0f) std::printf(" ");  // keeps the sums
   if (!o.json_out.empty()) {
     std::ofstream(o.json_out) << json({{"threads", threads}, {"repetitions", o.reps}, {"read", read},
-                                       {"peak_flops", peak_median}, {"peak_flops_samples", peak}})
+                                       {"peak_flops", peak_median}, {"peak_flops_samples", peak},
+                                       {"gemm", gemm_json}})
                                      .dump(2);
   }
   return 0;
