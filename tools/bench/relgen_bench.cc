@@ -5,7 +5,7 @@
 //                                          --device cuda: the CUDA backend vs PyTorch on the same GPU)
 //   relgen-bench serve [--server HOST:PORT] ...   (load generator: JSON and PNG results)
 //   relgen-bench accuracy --model DIR ...   (bf16 / int8 weights against f32)
-//   relgen-bench machine [--json FILE]   (bandwidth by working set and FMA peak, for --machine)
+//   relgen-bench machine [--json FILE]   (bandwidth by working set, FMA peak and the GEMM's share of it, for --machine)
 //   relgen-bench sample [--vocab 250880] [--rows 16] [--threads 0] [--reps 21]   (the host sampler per control)
 #include <cstdio>
 #include <string>
