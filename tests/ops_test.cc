@@ -109,7 +109,7 @@ TEST(LinearTest, PackedRowsAreBitwiseIndependentOfRowCount) {
         const cpu::PackedMatrix packed(w.data(), out, in, t);
         EXPECT_EQ(packed.bytes(), int64_t((out + 15) / 16) * 16 * (t == cpu::WeightType::kBf16 ? (in + 31) / 32 * 32 : in) *
                                       cpu::WeightTypeBytes(t));
-        for (int rows : {1, 2, 3, 7, 9, 13, 16, 33, 130, 300}) {
+        for (int rows : {1, 2, 3, 7, 8, 9, 13, 14, 16, 33, 130, 300}) {
           const std::vector<float> x = Random(size_t(rows) * in, rows);
           std::vector<float> all(size_t(rows) * out), one(out);
           cpu::LinearPacked(x.data(), rows, packed, b.data(), all.data(), &pool, isa);

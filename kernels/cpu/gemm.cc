@@ -156,17 +156,32 @@ __attribute__((always_inline)) inline void Micro(const float* x, int ldx, const 
   }
 }
 
-// Rows left over after the last full block of RB: one Micro<R> for R = left.
-template <typename V, typename T, int R>
-__attribute__((always_inline)) inline void Tail(int left, const float* x, int k, const T* panel, const float* scale,
-                                                const float* bias, int ncols, float* y, int ldy) {
+// A block of `rows` (0..R) rows over P panels: one Micro<rows, P>.
+template <typename V, typename T, int R, int P>
+__attribute__((always_inline)) inline void Block(int rows, const float* x, int k, const T* panel, int64_t pstride,
+                                                 const float* scale, const float* bias, int ncols, float* y, int ldy) {
   if constexpr (R > 0) {
-    if (left == R) {
-      Micro<V, T, R>(x, k, panel, 0, k, scale, bias, ncols, y, ldy);
+    if (rows == R) {
+      Micro<V, T, R, P>(x, k, panel, pstride, k, scale, bias, ncols, y, ldy);
     } else {
-      Tail<V, T, R - 1>(left, x, k, panel, scale, bias, ncols, y, ldy);
+      Block<V, T, R - 1, P>(rows, x, k, panel, pstride, scale, bias, ncols, y, ldy);
     }
   }
+}
+
+// The most rows left after the last full block that run over two panels at once: as many as keep
+// their accumulators for both panels, the two panels' rows and a broadcast in the vector registers
+// (16 ymm with AVX2: 2 rows; all of them with AVX-512). One panel gives a tail too few accumulator
+// chains to hide the FMA latency (AVX2, 2 rows: 4 chains where 2 ports x 4 cycles want 8), and a
+// decode step at concurrency 8 is 6 + 2 rows.
+template <typename V, int RB, int PB>
+constexpr int PairTailRows() {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  constexpr int kRegs = kLanes == 16 ? 32 : 16;
+  constexpr int kVecs = 2 * (kP / kLanes);  // a row's accumulators over two panels; also the panels' rows
+  int t = PB > 1 ? RB - 1 : 0;
+  while (t + 1 < RB && (t + 1) * kVecs + kVecs + 1 <= kRegs) ++t;
+  return t;
 }
 
 // RB rows per micro-kernel call: as many as keep RB x 16 accumulators, one panel row and a
@@ -174,6 +189,7 @@ __attribute__((always_inline)) inline void Tail(int left, const float* x, int k,
 template <typename V, typename T, int RB, int PB>
 __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows, const PackedMatrix& w,
                                                        const float* bias, float* y, int p_begin, int p_end) {
+  constexpr int kPairTail = PairTailRows<V, RB, PB>();
   const int k = w.k(), n = w.n();
   for (int r0 = 0; r0 < rows; r0 += kRowChunk) {
     const int r1 = std::min(rows, r0 + kRowChunk);
@@ -198,7 +214,9 @@ __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows,
       // loads and 8 broadcasts per k, where one panel spent 9 loads on 8 FMAs).
       constexpr bool kFloat = std::is_same_v<T, float>;
       const bool stage = !kFloat && r1 - r0 >= kStageRows;
-      const int np = (kFloat || stage) && PB > 1 && p + PB <= p_end && (p + PB) * kP <= n ? PB : 1;
+      const int tail = (r1 - r0) % RB;
+      const bool two = ((kFloat || stage) && PB > 1) || (tail > 0 && tail <= kPairTail);
+      const int np = two && p + 2 <= p_end && (p + 2) * kP <= n ? 2 : 1;
       const T* panel = static_cast<const T*>(w.panel(p));
       const int c0 = p * kP;
       const int ncols = std::min(np * kP, n - c0);
@@ -231,24 +249,38 @@ __attribute__((always_inline)) inline void PanelRangeT(const float* x, int rows,
       }
       int r = r0;
       if (wf != nullptr) {
+        const int64_t ps = int64_t{k} * kP;
         if (np == 2) {
           for (; r + RB <= r1; r += RB) {
-            Micro<V, float, RB, 2>(x + int64_t{r} * k, k, wf, int64_t{k} * kP, k, s, b, ncols, yc + int64_t{r} * n, n);
+            if constexpr (PB > 1) {
+              Micro<V, float, RB, 2>(x + int64_t{r} * k, k, wf, ps, k, s, b, ncols, yc + int64_t{r} * n, n);
+            } else {
+              Micro<V, float, RB>(x + int64_t{r} * k, k, wf, 0, k, s, b, kP, yc + int64_t{r} * n, n);
+              Micro<V, float, RB>(x + int64_t{r} * k, k, wf + ps, 0, k, s != nullptr ? s + kP : nullptr,
+                                  b != nullptr ? b + kP : nullptr, kP, yc + int64_t{r} * n + kP, n);
+            }
           }
-          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, wf, s, b, kP, yc + int64_t{r} * n, n);
-          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, wf + int64_t{k} * kP, s != nullptr ? s + kP : nullptr,
-                                 b != nullptr ? b + kP : nullptr, kP, yc + int64_t{r} * n + kP, n);
+          Block<V, float, kPairTail, 2>(r1 - r, x + int64_t{r} * k, k, wf, ps, s, b, ncols, yc + int64_t{r} * n, n);
         } else {
           for (; r + RB <= r1; r += RB) {
             Micro<V, float, RB>(x + int64_t{r} * k, k, wf, 0, k, s, b, ncols, yc + int64_t{r} * n, n);
           }
-          Tail<V, float, RB - 1>(r1 - r, x + int64_t{r} * k, k, wf, s, b, ncols, yc + int64_t{r} * n, n);
+          Block<V, float, RB - 1, 1>(r1 - r, x + int64_t{r} * k, k, wf, 0, s, b, ncols, yc + int64_t{r} * n, n);
         }
       } else {
+        const int64_t ps = int64_t{w.padded_k()} * kP;
         for (; r + RB <= r1; r += RB) {
-          Micro<V, T, RB>(x + int64_t{r} * k, k, panel, 0, k, s, b, ncols, yc + int64_t{r} * n, n);
+          for (int q = 0; q < np; ++q) {
+            Micro<V, T, RB>(x + int64_t{r} * k, k, panel + q * ps, 0, k, s != nullptr ? s + q * kP : nullptr,
+                            b != nullptr ? b + q * kP : nullptr, std::min(kP, ncols - q * kP),
+                            yc + int64_t{r} * n + q * kP, n);
+          }
         }
-        Tail<V, T, RB - 1>(r1 - r, x + int64_t{r} * k, k, panel, s, b, ncols, yc + int64_t{r} * n, n);
+        if (np == 2) {
+          Block<V, T, kPairTail, 2>(r1 - r, x + int64_t{r} * k, k, panel, ps, s, b, ncols, yc + int64_t{r} * n, n);
+        } else {
+          Block<V, T, RB - 1, 1>(r1 - r, x + int64_t{r} * k, k, panel, 0, s, b, ncols, yc + int64_t{r} * n, n);
+        }
       }
       p += np;
     }
